@@ -1,0 +1,42 @@
+"""Masked grouped-query attention: the definition both dense and MSA block-sparse attention reduce to."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def causal_mask(q_pos_BT: jax.Array, num_keys: int) -> jax.Array:
+    """[B, T, S] True where key slot s (= absolute position s in a contiguous cache) is visible to the query."""
+    s = jnp.arange(num_keys, dtype=q_pos_BT.dtype)
+    return s[None, None, :] <= q_pos_BT[:, :, None]
+
+
+def gqa_attention(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, mask_BKTS: jax.Array,
+                  scale: float) -> jax.Array:
+    """Softmax attention where query head h reads KV head h // (H // K) under that group's mask.
+
+    Scores and softmax are fp32 whatever the input dtype; a row with no visible key returns zeros.
+    """
+    B, T, H, D = q_BTHD.shape
+    K = k_BSKD.shape[2]
+    q_BTKGD = q_BTHD.reshape(B, T, K, H // K, D)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q_BTKGD.astype(jnp.float32), k_BSKD.astype(jnp.float32)) * scale
+    mask = mask_BKTS[:, :, None, :, :]
+    scores = jnp.where(mask, scores, -jnp.inf)
+    m = jnp.max(scores, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.where(mask, jnp.exp(scores - m), 0.0)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    p = p / jnp.where(denom > 0, denom, 1.0)
+    o = jnp.einsum("bkgts,bskd->btkgd", p, v_BSKD.astype(jnp.float32))
+    return o.reshape(B, T, H, D).astype(q_BTHD.dtype)
+
+
+def dense_causal_attention(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, q_pos_BT: jax.Array,
+                           scale: float) -> jax.Array:
+    """Dense causal attention over a contiguous cache (key slot s holds position s)."""
+    K = k_BSKD.shape[2]
+    mask = causal_mask(q_pos_BT, k_BSKD.shape[1])
+    mask_BKTS = jnp.broadcast_to(mask[:, None], (mask.shape[0], K, *mask.shape[1:]))
+    return gqa_attention(q_BTHD, k_BSKD, v_BSKD, mask_BKTS, scale)

@@ -1,0 +1,13 @@
+"""The one place that picks an implementation for each hot op.
+
+Today every op resolves to its plain-jnp reference (the definition, and what CPUs run). The Pallas kernels
+plug in here by backend and shape; callers (`m3jax.model`) never import an implementation directly.
+"""
+
+from __future__ import annotations
+
+from pallas_kernels.attention.reference import dense_causal_attention
+from pallas_kernels.moe.reference import dense_mlp, moe
+from pallas_kernels.msa.reference import block_sparse_attention, select_blocks
+
+__all__ = ["dense_causal_attention", "select_blocks", "block_sparse_attention", "moe", "dense_mlp"]

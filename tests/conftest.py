@@ -1,0 +1,7 @@
+"""Test-wide settings: 4 virtual CPU devices (so TP2 / TP4 run on the CPU) and no progress bars."""
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("M3JAX_NO_PROGRESS", "1")

@@ -11,12 +11,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from m3jax.config import M3Config
-from m3jax.model import ForwardOutput, KVState, forward
+from m3jax.batch import Batch, KVPages, RowPlan, build_batch, page_size
+from m3jax.model import ForwardOutput, forward
 from m3jax.sharding import ShardingRules, make_rules, shard_params
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-# Contiguous caches are sized in multiples of this, so a new prompt length rarely means a new compile.
-_LEN_BUCKET = 128
+# Prompts are padded to a multiple of this, so a new prompt length rarely means a new compile.
+_TOKEN_BUCKET = 64
 
 
 def _round_up(n: int, m: int) -> int:
@@ -32,71 +33,79 @@ class M3Model:
         self.rules = rules
         self.dtype = dtype
         self.path = path
-        # cfg is a frozen dataclass, so it can be a static argument; the KV state is donated.
-        self._forward: Callable[..., ForwardOutput] = jax.jit(forward, static_argnums=(1,), donate_argnums=(3,))
+        self.page_size = page_size(cfg)
+        # cfg is a frozen dataclass, so it can be a static argument; the page pool is donated.
+        self._forward: Callable[..., ForwardOutput] = jax.jit(forward, static_argnums=(1,), donate_argnums=(2,))
 
-    # ---- state ---------------------------------------------------------------------------------------
-    def new_state(self, batch: int, max_len: int) -> KVState:
-        if max_len > self.cfg.max_position_embeddings:
-            raise ValueError(f"max_len {max_len} exceeds max_position_embeddings={self.cfg.max_position_embeddings}")
-        sharding = self.rules.kv_sharding(self.cfg, batch, max_len)
-        kv = KVState.empty(self.cfg, batch, max_len, self.dtype)
-        kv.k = [jax.device_put(a, sharding) for a in kv.k]
-        kv.v = [jax.device_put(a, sharding) for a in kv.v]
-        return kv
+    @classmethod
+    def create(cls, cfg: M3Config, host_params: Any, dtype: str = "float32", tensor_parallel_size: int = 1,
+               expert_parallel: bool = False, path: Path | None = None) -> M3Model:
+        """Place host params (numpy pytree matching `param_specs(cfg)`) on a mesh of `tensor_parallel_size`."""
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        rules = make_rules(tensor_parallel_size, expert_parallel)
+        return cls(cfg, shard_params(host_params, cfg, rules), rules, _DTYPES[dtype], path)
 
-    def step(self, tokens_BT: np.ndarray | jax.Array, kv: KVState,
-             logit_index_B: np.ndarray | jax.Array | None = None) -> ForwardOutput:
-        """Append tokens to `kv` (donated: do not reuse the old state) and return logits and the new state."""
-        tokens = jnp.asarray(tokens_BT, jnp.int32)
-        if int(jnp.max(kv.lengths)) + tokens.shape[1] > kv.max_len:
-            raise ValueError(f"state holds {kv.max_len} tokens per row; cannot append {tokens.shape[1]} more")
-        idx = None if logit_index_B is None else jnp.asarray(logit_index_B, jnp.int32)
-        return self._forward(self.params, self.cfg, tokens, kv, idx)
+    def new_pages(self, num_pages: int) -> KVPages:
+        """A page pool (page 0 is the padding sink, never handed out)."""
+        shape = (num_pages, self.page_size, self.cfg.num_kv_heads, self.cfg.head_dim)
+        sharding = self.rules.sharding(shape, ("pages", "page_slots", "kv_heads", "head_dim"), "kv pages")
+        return KVPages.empty(self.cfg, num_pages, self.dtype, sharding)
+
+    def step(self, kv: KVPages, batch: Batch) -> ForwardOutput:
+        """One jitted forward over a flat ragged batch; `kv` is donated (use the returned one)."""
+        return self._forward(self.params, self.cfg, kv, batch)
 
     # ---- public ------------------------------------------------------------------------------------------
     def logits(self, token_ids: Sequence[Sequence[int]] | np.ndarray) -> np.ndarray:
         """Full causal forward of each row of `token_ids [B, S]` (no padding): fp32 logits `[B, S, vocab]`."""
         ids = self._check_ids(np.asarray(token_ids))
-        B, S = ids.shape
-        out = self.step(ids, self.new_state(B, _round_up(S, _LEN_BUCKET)))
-        return np.asarray(out.logits, dtype=np.float32)
+        out = self._full_forward(ids)
+        return np.asarray(out.logits, dtype=np.float32).reshape(*ids.shape, -1)
 
     def block_selections(self, token_ids: Sequence[Sequence[int]] | np.ndarray) -> dict[int, np.ndarray]:
         """Per sparse layer, the MSA blocks each query row selected: `[B, kv_heads, S, topk]`, -1 padded."""
         ids = self._check_ids(np.asarray(token_ids))
         B, S = ids.shape
-        out = self.step(ids, self.new_state(B, _round_up(S, _LEN_BUCKET)))
-        return {layer: np.asarray(b) for layer, b in out.selections.items()}
+        out = self._full_forward(ids)
+        return {layer: np.asarray(b[: B * S]).reshape(B, S, *b.shape[1:]).transpose(0, 2, 1, 3)
+                for layer, b in out.selections.items()}
 
     def generate_greedy(self, prompt_ids: Sequence[int], max_new_tokens: int,
                         stop_ids: Sequence[int] = ()) -> Iterator[int]:
         """Greedy decoding of one prompt, yielding token ids as they come (stops at a stop id, included)."""
-        prompt = self._check_ids(np.asarray([list(prompt_ids)]))
+        prompt = self._check_ids(np.asarray([list(prompt_ids)]))[0].tolist()
         if max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
-        n = prompt.shape[1]
-        total = n + max_new_tokens
-        if total > self.cfg.max_position_embeddings:
+        n = len(prompt)
+        if n + max_new_tokens > self.cfg.max_position_embeddings:
             raise ValueError(f"prompt ({n}) + max_new_tokens ({max_new_tokens}) exceeds the model length "
                              f"{self.cfg.max_position_embeddings}")
-        max_len = min(_round_up(total, _LEN_BUCKET), self.cfg.max_position_embeddings)
-        # Right-pad the prompt to a bucket: padding slots lie beyond every real query's causal cutoff and are
-        # overwritten by the decoded tokens before anything reads them.
-        padded_len = min(_round_up(n, _LEN_BUCKET), max_len)
-        padded = np.zeros((1, padded_len), np.int32)
-        padded[0, :n] = prompt[0]
-        out = self.step(padded, self.new_state(1, max_len), np.array([n - 1]))
-        kv = out.kv
-        kv.lengths = jnp.full_like(kv.lengths, n)
-        stop = set(int(s) for s in stop_ids)
+        width = -(-(n + max_new_tokens) // self.page_size)
+        pages = list(range(1, width + 1))
+        kv = self.new_pages(width + 1)
+        # Prefill padded to a token bucket (padding writes to the sink page), then one token per step.
+        batch, _ = build_batch([RowPlan(prompt, 0, pages)], self.page_size, _round_up(n, _TOKEN_BUCKET), 1, width)
+        out = self.step(kv, batch)
+        stop = {int(s) for s in stop_ids}
+        pos = n
         for _ in range(max_new_tokens):
-            tok = int(jnp.argmax(out.logits[0, -1]))
+            tok = int(jnp.argmax(out.logits[0]))
             yield tok
             if tok in stop:
                 return
-            out = self.step(np.array([[tok]]), kv)
-            kv = out.kv
+            batch, _ = build_batch([RowPlan([tok], pos, pages)], self.page_size, 1, 1, width)
+            out = self.step(out.kv, batch)
+            pos += 1
+
+    def _full_forward(self, ids: np.ndarray) -> ForwardOutput:
+        B, S = ids.shape
+        per_row = -(-S // self.page_size)
+        rows = [RowPlan(ids[b].tolist(), 0, range(1 + b * per_row, 1 + (b + 1) * per_row), sample=False)
+                for b in range(B)]
+        batch, _ = build_batch(rows, self.page_size, B * S, B, per_row, num_logit_rows=0)
+        batch.logit_rows = jnp.arange(B * S, dtype=jnp.int32)
+        return self.step(self.new_pages(1 + B * per_row), batch)
 
     def _check_ids(self, ids: np.ndarray) -> np.ndarray:
         if ids.ndim != 2 or ids.shape[1] == 0:
@@ -128,6 +137,4 @@ def load_model(path: str | Path | None = None, dtype: str = "float32", tensor_pa
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
     path = Path(path) if path is not None else embedded_model_path()
     cfg, host_params = load_params(path, dtype=dtype)
-    rules = make_rules(tensor_parallel_size, expert_parallel)
-    params = shard_params(host_params, cfg, rules)
-    return M3Model(cfg, params, rules, _DTYPES[dtype], path)
+    return M3Model.create(cfg, host_params, dtype, tensor_parallel_size, expert_parallel, path)

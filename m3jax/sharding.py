@@ -57,11 +57,6 @@ class ShardingRules:
     def param_shardings(self, cfg: M3Config) -> Any:
         return map_specs(lambda s: self.sharding(s.shape, s.axes, str(s)), param_specs(cfg))
 
-    def kv_sharding(self, cfg: M3Config, batch: int, max_len: int) -> NamedSharding:
-        # Caches follow their heads: KV heads are split exactly as wk / wv are.
-        return self.sharding((batch, max_len, cfg.num_kv_heads, cfg.head_dim),
-                             ("batch", "seq", "kv_heads", "head_dim"), "kv cache")
-
 
 def make_rules(tensor_parallel_size: int = 1, expert_parallel: bool = False,
                devices: list[Any] | None = None) -> ShardingRules:

@@ -6,8 +6,8 @@ plug in here by backend and shape; callers (`m3jax.model`) never import an imple
 
 from __future__ import annotations
 
-from pallas_kernels.attention.reference import dense_causal_attention
+from pallas_kernels.attention.reference import paged_dense_attention
 from pallas_kernels.moe.reference import dense_mlp, moe
-from pallas_kernels.msa.reference import block_sparse_attention, select_blocks
+from pallas_kernels.msa.reference import paged_block_sparse_attention, paged_select_blocks
 
-__all__ = ["dense_causal_attention", "select_blocks", "block_sparse_attention", "moe", "dense_mlp"]
+__all__ = ["paged_dense_attention", "paged_select_blocks", "paged_block_sparse_attention", "moe", "dense_mlp"]

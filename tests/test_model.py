@@ -1,77 +1,83 @@
-"""The model against itself: prefill + decode = full forward, MSA degenerates to dense attention when every
-block fits in the top-k, selection really drops blocks on long inputs, cross-layer top-k reuse."""
+"""The model against itself: prefill + decode = full forward on the paged ragged batch, chunked prefill, MSA
+degenerating to dense attention when every block fits in the top-k, selection dropping blocks on long inputs,
+cross-layer top-k reuse."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from m3jax.api import M3Model
+from m3jax.batch import RowPlan, build_batch
 from m3jax.config import preset
-from m3jax.model import KVState, forward
 from m3jax.params import random_params
 from pallas_kernels.attention.reference import dense_causal_attention
 from pallas_kernels.msa.reference import block_sparse_attention, select_blocks
 
 CFG = preset("m3-tiny")
+PS = CFG.index_block_size
 
 
 @pytest.fixture(scope="module")
-def params():
-    return jax.tree.map(jnp.asarray, random_params(CFG, seed=1, scale=1.5))
+def model():
+    return M3Model.create(CFG, random_params(CFG, seed=1, scale=1.5))
 
 
-def _full(params, cfg, toks):
-    return forward(params, cfg, jnp.asarray(toks), KVState.empty(cfg, toks.shape[0], toks.shape[1], jnp.float32))
+def _tokens(seed, shape):
+    return np.random.default_rng(seed).integers(0, CFG.vocab_size, shape).astype(np.int32)
 
 
-def test_prefill_then_decode_equals_full_forward_ragged(params):
-    rng = np.random.default_rng(0)
-    lens = [90, 57]  # ragged prompts, decoded side by side
-    total = 100
-    toks = rng.integers(0, CFG.vocab_size, (2, total)).astype(np.int32)
-    full = [np.asarray(_full(params, CFG, toks[b:b + 1]).logits[0]) for b in range(2)]
-
-    step = jax.jit(forward, static_argnums=(1,))
-    prompt = np.zeros((2, max(lens)), np.int32)
+def test_ragged_prefill_then_decode_equals_full_forward(model):
+    """Two requests of different prompt lengths prefilled in one batch, then decoded side by side."""
+    lens, total = [90, 57], 100
+    toks = _tokens(0, (2, total))
+    full = [model.logits(toks[b:b + 1])[0] for b in range(2)]
+    width = -(-total // PS)
+    pages = [list(range(1 + width * b, 1 + width * (b + 1)))[::-1] for b in range(2)]  # scattered pages
+    kv = model.new_pages(1 + 2 * width)
+    batch, idx = build_batch([RowPlan(toks[b, :n].tolist(), 0, pages[b]) for b, n in enumerate(lens)],
+                             PS, 160, 2, width)
+    out = model.step(kv, batch)
     for b, n in enumerate(lens):
-        prompt[b, :n] = toks[b, :n]
-    out = step(params, CFG, jnp.asarray(prompt), KVState.empty(CFG, 2, 128, jnp.float32),
-               jnp.asarray([n - 1 for n in lens]))
-    kv = out.kv
-    kv.lengths = jnp.asarray(lens, jnp.int32)  # padding slots are overwritten by the decoded tokens
-    for b, n in enumerate(lens):
-        np.testing.assert_allclose(np.asarray(out.logits[b, 0]), full[b][n - 1], rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(np.asarray(out.logits[idx[b]]), full[b][n - 1], rtol=1e-4, atol=1e-4)
     for i in range(total - max(lens)):
-        nxt = np.array([[toks[b, n + i]] for b, n in enumerate(lens)], np.int32)
-        out = step(params, CFG, jnp.asarray(nxt), kv)
-        kv = out.kv
+        rows = [RowPlan([int(toks[b, n + i])], n + i, pages[b]) for b, n in enumerate(lens)]
+        batch, idx = build_batch(rows, PS, 2, 2, width)
+        out = model.step(out.kv, batch)
         for b, n in enumerate(lens):
-            np.testing.assert_allclose(np.asarray(out.logits[b, 0]), full[b][n + i], rtol=1e-4, atol=1e-4)
+            np.testing.assert_allclose(np.asarray(out.logits[idx[b]]), full[b][n + i], rtol=1e-4, atol=1e-4)
 
 
-def test_chunked_prefill_equals_full_forward(params):
-    toks = np.random.default_rng(1).integers(0, CFG.vocab_size, (1, 120)).astype(np.int32)
-    full = np.asarray(_full(params, CFG, toks).logits[0])
-    kv = KVState.empty(CFG, 1, 128, jnp.float32)
-    got = []
-    for a, b in ((0, 33), (33, 80), (80, 120)):
-        out = forward(params, CFG, jnp.asarray(toks[:, a:b]), kv)
+def test_chunked_prefill_mixed_with_decode(model):
+    """A prefill split into chunks that share steps with another request's decode tokens."""
+    a, b = _tokens(1, (1, 120))[0], _tokens(2, (1, 40))[0]
+    full_a, full_b = model.logits(a[None])[0], model.logits(b[None])[0]
+    width = -(-120 // PS)
+    pa, pb = list(range(1, 1 + width)), list(range(1 + width, 1 + 2 * width))
+    kv = model.new_pages(1 + 2 * width)
+    batch, _ = build_batch([RowPlan(b[:30].tolist(), 0, pb)], PS, 64, 2, width)
+    kv = model.step(kv, batch).kv
+    got_a = []
+    for step, (s, e) in enumerate(((0, 33), (33, 80), (80, 120))):
+        rows = [RowPlan(a[s:e].tolist(), s, pa, sample=e == 120), RowPlan([int(b[30 + step])], 30 + step, pb)]
+        batch, idx = build_batch(rows, PS, 64, 2, width)
+        batch.logit_rows = jnp.arange(64, dtype=jnp.int32)  # every row's logits, to compare the whole chunk
+        out = model.step(kv, batch)
         kv = out.kv
-        got.append(np.asarray(out.logits[0]))
-    np.testing.assert_allclose(np.concatenate(got), full, rtol=1e-4, atol=1e-4)
+        got_a.append(np.asarray(out.logits[: e - s]))
+        np.testing.assert_allclose(np.asarray(out.logits[e - s]), full_b[30 + step], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.concatenate(got_a), full_a, rtol=1e-4, atol=1e-4)
 
 
-def test_selection_drops_blocks_on_long_inputs(params):
-    toks = np.random.default_rng(2).integers(0, CFG.vocab_size, (1, 200)).astype(np.int32)
-    sel = _full(params, CFG, toks).selections
+def test_selection_drops_blocks_on_long_inputs(model):
+    sel = model.block_selections(_tokens(3, (1, 200)))
     assert set(sel) == set(CFG.sparse_layers)
     for blocks in sel.values():
-        b = np.asarray(blocks)[0]  # [K, T, N]
+        b = blocks[0]  # [K, T, N]
         last = b[:, -1]
         assert (last >= 0).all(), "a query 12 blocks deep must fill all top-k slots"
         assert len(set(last[0])) == CFG.index_topk_blocks
-        assert ((199 // CFG.index_block_size) == last).any(axis=-1).all(), "the local block is always kept"
-        # Early queries see fewer blocks than top-k: -1 padding.
+        assert (last == 199 // PS).any(axis=-1).all(), "the local block is always kept"
         assert (b[:, 0] == -1).sum(axis=-1).tolist() == [CFG.index_topk_blocks - 1] * CFG.num_kv_heads
 
 
@@ -88,7 +94,6 @@ def test_msa_equals_dense_when_everything_fits():
     sparse = block_sparse_attention(q, k, v, pos, blocks, block_size=8, scale=0.25)
     dense = dense_causal_attention(q, k, v, pos, scale=0.25)
     np.testing.assert_allclose(np.asarray(sparse), np.asarray(dense), rtol=1e-6, atol=1e-6)
-    # With fewer top-k slots than visible blocks the outputs must differ.
     blocks2 = select_blocks(iq, ik, pos, block_size=4, topk=2, local_blocks=1)
     sparse2 = block_sparse_attention(q, k, v, pos, blocks2, block_size=4, scale=0.25)
     assert not np.allclose(np.asarray(sparse2), np.asarray(dense), atol=1e-3)
@@ -114,14 +119,31 @@ def test_select_blocks_matches_bruteforce():
             assert (row[min(topk, nvis):] == -1).all()
 
 
-def test_cross_layer_topk_reuse(params):
-    toks = np.random.default_rng(5).integers(0, CFG.vocab_size, (1, 150)).astype(np.int32)
-    base = _full(params, CFG, toks)
-    reuse_cfg = CFG.replace(index_topk_freq=2)
-    reused = _full(params, reuse_cfg, toks)
+def test_cross_layer_topk_reuse():
+    host = random_params(CFG, seed=1, scale=1.5)
+    toks = _tokens(5, (1, 150))
+    base = M3Model.create(CFG, host).block_selections(toks)
+    reused_model = M3Model.create(CFG.replace(index_topk_freq=2), host)
+    reused = reused_model.block_selections(toks)
     s0, s1, s2 = CFG.sparse_layers
-    # Sparse layer ordinals 0 and 2 select; ordinal 1 reuses ordinal 0's selection.
-    np.testing.assert_array_equal(np.asarray(reused.selections[s1]), np.asarray(reused.selections[s0]))
-    np.testing.assert_array_equal(np.asarray(reused.selections[s0]), np.asarray(base.selections[s0]))
-    assert not np.array_equal(np.asarray(base.selections[s1]), np.asarray(base.selections[s0]))
-    assert np.isfinite(np.asarray(reused.logits)).all()
+    # Sparse ordinals 0 and 2 select; ordinal 1 reuses ordinal 0's selection.
+    np.testing.assert_array_equal(reused[s1], reused[s0])
+    np.testing.assert_array_equal(reused[s0], base[s0])
+    assert not np.array_equal(base[s1], base[s0])
+    assert np.isfinite(reused_model.logits(toks)).all()
+
+
+def test_bad_token_ids_are_refused(model):
+    with pytest.raises(ValueError, match="token ids must lie"):
+        model.logits([[0, CFG.vocab_size]])
+    with pytest.raises(ValueError, match="non-empty"):
+        model.logits(np.zeros((1, 0), np.int32))
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        list(model.generate_greedy([1, 2], 0))
+
+
+def test_generate_greedy_matches_argmax_of_full_forward(model):
+    prompt = _tokens(6, (20,)).tolist()
+    got = list(model.generate_greedy(prompt, 12))
+    full = model.logits([prompt + got])[0]  # teacher-forced: each generated token is the argmax before it
+    assert got == np.argmax(full[len(prompt) - 1:-1], axis=-1).tolist()

@@ -1,7 +1,6 @@
 """TP2 / TP4 (and expert parallelism) give the TP1 logits on 4 virtual CPU devices (see conftest.py)."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -20,7 +19,7 @@ def setup():
         pytest.skip("needs XLA_FLAGS=--xla_force_host_platform_device_count=4")
     host = random_params(CFG, seed=7, scale=1.5)
     toks = np.random.default_rng(0).integers(0, CFG.vocab_size, (2, 80)).astype(np.int32)
-    ref = M3Model(CFG, shard_params(host, CFG, make_rules(1)), make_rules(1), jnp.float32).logits(toks)
+    ref = M3Model.create(CFG, host).logits(toks)
     return host, toks, ref
 
 
@@ -35,7 +34,7 @@ def test_tensor_parallel_equals_tp1(setup, tp, ep):
     shard_shape = experts.addressable_shards[0].data.shape
     assert shard_shape == ((CFG.num_experts // tp, CFG.hidden_size, CFG.moe_intermediate_size) if ep
                            else (CFG.num_experts, CFG.hidden_size, CFG.moe_intermediate_size // tp))
-    got = M3Model(CFG, params, rules, jnp.float32).logits(toks)
+    got = M3Model.create(CFG, host, tensor_parallel_size=tp, expert_parallel=ep).logits(toks)
     np.testing.assert_allclose(got, ref, rtol=2e-5, atol=2e-5 * np.abs(ref).max())
 
 

@@ -40,3 +40,21 @@ def dense_causal_attention(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Arr
     mask = causal_mask(q_pos_BT, k_BSKD.shape[1])
     mask_BKTS = jnp.broadcast_to(mask[:, None], (mask.shape[0], K, *mask.shape[1:]))
     return gqa_attention(q_BTHD, k_BSKD, v_BSKD, mask_BKTS, scale)
+
+
+def gather_context(pages_PS: jax.Array, page_table_RN: jax.Array, token_row_T: jax.Array) -> jax.Array:
+    """Each query token's request context as a contiguous cache: [T, N * page_size, ...].
+
+    Logical slot j of a request (page j // ps, offset j % ps) holds its token at position j. Slots past the
+    request's length hold whatever the page has (sink-page padding, stale data): the causal cutoff hides them.
+    """
+    ctx = pages_PS[page_table_RN[token_row_T]]  # [T, N, ps, ...]
+    return ctx.reshape(ctx.shape[0], ctx.shape[1] * ctx.shape[2], *ctx.shape[3:])
+
+
+def paged_dense_attention(q_THD: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table_RN: jax.Array,
+                          token_row_T: jax.Array, pos_T: jax.Array, scale: float) -> jax.Array:
+    """Ragged paged causal attention: every token of a flat batch against its own request's pages."""
+    k = gather_context(k_pages, page_table_RN, token_row_T)
+    v = gather_context(v_pages, page_table_RN, token_row_T)
+    return dense_causal_attention(q_THD[:, None], k, v, pos_T[:, None], scale)[:, 0]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.attention.reference import causal_mask, gqa_attention
+from pallas_kernels.attention.reference import causal_mask, gather_context, gqa_attention
 
 
 def select_blocks(iq_BTGD: jax.Array, ik_BSD: jax.Array, q_pos_BT: jax.Array, *, block_size: int, topk: int,
@@ -50,3 +50,22 @@ def block_sparse_attention(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Arr
     keep_BKTS = jnp.repeat(keep, block_size, axis=-1)[..., :S]
     mask_BKTS = keep_BKTS & causal_mask(q_pos_BT, S)[:, None]
     return gqa_attention(q_BTHD, k_BSKD, v_BSKD, mask_BKTS, scale)
+
+
+def paged_select_blocks(iq_TGD: jax.Array, ik_pages: jax.Array, page_table_RN: jax.Array, token_row_T: jax.Array,
+                        pos_T: jax.Array, *, topk: int, local_blocks: int, init_blocks: int = 0) -> jax.Array:
+    """`select_blocks` for a flat ragged batch over the paged index-K: logical block ids [T, G, topk]."""
+    ik = gather_context(ik_pages, page_table_RN, token_row_T)
+    blocks = select_blocks(iq_TGD[:, None], ik, pos_T[:, None], block_size=ik_pages.shape[1], topk=topk,
+                           local_blocks=local_blocks, init_blocks=init_blocks)
+    return blocks[:, :, 0, :]
+
+
+def paged_block_sparse_attention(q_THD: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                                 page_table_RN: jax.Array, token_row_T: jax.Array, pos_T: jax.Array,
+                                 blocks_TGN: jax.Array, *, scale: float) -> jax.Array:
+    """`block_sparse_attention` for a flat ragged batch: each KV group reads its selected pages only."""
+    k = gather_context(k_pages, page_table_RN, token_row_T)
+    v = gather_context(v_pages, page_table_RN, token_row_T)
+    return block_sparse_attention(q_THD[:, None], k, v, pos_T[:, None], blocks_TGN[:, :, None, :],
+                                  block_size=k_pages.shape[1], scale=scale)[:, 0]

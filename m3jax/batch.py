@@ -1,0 +1,132 @@
+"""The flat ragged `Batch` of one step and the paged `KVPages` it reads and writes.
+
+Prefill chunks, decode tokens and draft-verification rows are all just query tokens of some request row:
+the model never asks which kind of step it is in. A page holds `page_size` = MSA block size tokens, so a
+selected MSA block is exactly one page. Page 0 is never handed to a request: padding tokens write there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from m3jax.config import M3Config
+
+SINK_PAGE = 0
+
+
+def page_size(cfg: M3Config) -> int:
+    return cfg.index_block_size
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Batch:
+    """One step's work. T query tokens (padded to a bucket), R request rows, P logical pages per row."""
+
+    token_ids: jax.Array  # [T] int32
+    positions: jax.Array  # [T] int32 absolute position of each token in its request
+    token_row: jax.Array  # [T] int32 request row of each token (padding: row 0)
+    slot_mapping: jax.Array  # [T] int32 page * page_size + offset where the token's K/V/index-K go (padding: 0)
+    page_table: jax.Array  # [R, P] int32 physical page of each logical block (unused: the sink page)
+    logit_rows: jax.Array  # [L] int32 flat token indices whose logits are wanted (sampled rows)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.token_ids.shape[0]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KVPages:
+    """The page pool. k[layer], v[layer]: [pages, page_size, K, hd]; index_k[layer]: [pages, page_size, hdi]
+    on sparse layers (None on dense ones). K is post-norm post-RoPE, V raw, index-K post-norm post-RoPE."""
+
+    k: list[jax.Array]
+    v: list[jax.Array]
+    index_k: list[jax.Array | None]
+
+    @classmethod
+    def empty(cls, cfg: M3Config, num_pages: int, dtype: Any, kv_sharding: Any = None) -> KVPages:
+        shape = (num_pages, page_size(cfg), cfg.num_kv_heads, cfg.head_dim)
+
+        def zeros(s: tuple[int, ...], sharding: Any = None) -> jax.Array:
+            z = jnp.zeros(s, dtype)
+            return jax.device_put(z, sharding) if sharding is not None else z
+
+        return cls(
+            k=[zeros(shape, kv_sharding) for _ in range(cfg.num_layers)],
+            v=[zeros(shape, kv_sharding) for _ in range(cfg.num_layers)],
+            index_k=[zeros((num_pages, page_size(cfg), cfg.index_head_dim)) if t == "sparse" else None
+                     for t in cfg.attn_types],
+        )
+
+    @property
+    def num_pages(self) -> int:
+        return self.k[0].shape[0]
+
+    @staticmethod
+    def bytes_per_page(cfg: M3Config, dtype: Any) -> int:
+        ps, item = page_size(cfg), jnp.dtype(dtype).itemsize
+        kv = 2 * cfg.num_layers * ps * cfg.num_kv_heads * cfg.head_dim
+        idx = len(cfg.sparse_layers) * ps * cfg.index_head_dim
+        return (kv + idx) * item
+
+
+@dataclasses.dataclass
+class RowPlan:
+    """What one request contributes to a step: `tokens` at positions start .. start + len - 1, its pages, and
+    whether its last new token is sampled (a prefill chunk that does not reach the prompt's end is not)."""
+
+    tokens: Sequence[int]
+    start: int
+    pages: Sequence[int]
+    sample: bool = True
+
+
+def build_batch(rows: Sequence[RowPlan], ps: int, num_tokens: int, num_rows: int, pages_per_row: int,
+                num_logit_rows: int | None = None) -> tuple[Batch, list[int]]:
+    """Host-side assembly of a padded Batch. Returns the batch and, per row, the index into `logit_rows` of
+    its sampled token (-1 if not sampled). Padding tokens write to the sink page and read row 0."""
+    total = sum(len(r.tokens) for r in rows)
+    if total > num_tokens or len(rows) > num_rows:
+        raise ValueError(f"{total} tokens / {len(rows)} rows do not fit the bucket ({num_tokens}, {num_rows})")
+    num_logit_rows = num_rows if num_logit_rows is None else num_logit_rows
+    token_ids = np.zeros(num_tokens, np.int32)
+    positions = np.zeros(num_tokens, np.int32)
+    token_row = np.zeros(num_tokens, np.int32)
+    slots = np.full(num_tokens, SINK_PAGE * ps, np.int32)
+    page_table = np.full((num_rows, pages_per_row), SINK_PAGE, np.int32)
+    logit_rows = np.zeros(num_logit_rows, np.int32)
+    sample_index: list[int] = []
+    t = 0
+    n_logits = 0
+    for r, row in enumerate(rows):
+        n = len(row.tokens)
+        end = row.start + n
+        if -(-end // ps) > len(row.pages):
+            raise ValueError(f"row {r}: {end} tokens need {-(-end // ps)} pages, {len(row.pages)} given")
+        if len(row.pages) > pages_per_row:
+            raise ValueError(f"row {r}: {len(row.pages)} pages exceed the page table width {pages_per_row}")
+        page_table[r, : len(row.pages)] = row.pages
+        pos = np.arange(row.start, end, dtype=np.int32)
+        token_ids[t:t + n] = row.tokens
+        positions[t:t + n] = pos
+        token_row[t:t + n] = r
+        slots[t:t + n] = page_table[r, pos // ps] * ps + pos % ps
+        if row.sample and n:
+            if n_logits >= num_logit_rows:
+                raise ValueError("more sampled rows than logit rows in the bucket")
+            logit_rows[n_logits] = t + n - 1
+            sample_index.append(n_logits)
+            n_logits += 1
+        else:
+            sample_index.append(-1)
+        t += n
+    batch = Batch(*(jnp.asarray(a) for a in (token_ids, positions, token_row, slots, page_table, logit_rows)))
+    return batch, sample_index

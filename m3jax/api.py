@@ -10,8 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from m3jax.config import M3Config
 from m3jax.batch import Batch, KVPages, RowPlan, build_batch, page_size
+from m3jax.config import M3Config
 from m3jax.model import ForwardOutput, forward
 from m3jax.sharding import ShardingRules, make_rules, shard_params
 

@@ -14,7 +14,7 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(enum.StrEnum):
     STOP = "stop"  # an EOS / stop token or a stop string
     LENGTH = "length"  # max_tokens or the model length
     ABORT = "abort"  # the client went away or asked to stop

@@ -2,7 +2,6 @@
 degenerating to dense attention when every block fits in the top-k, selection dropping blocks on long inputs,
 cross-layer top-k reuse."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

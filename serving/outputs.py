@@ -1,0 +1,85 @@
+"""What users pass in and get back: `SamplingParams`, `RequestOutput`, `CompletionOutput` (vLLM's names)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from serving.sampling import DEFAULT_MAX_LOGPROBS as MAX_LOGPROBS
+from serving.sampling import validate_sampling
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1 = off
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | Sequence[str] | None = None
+    stop_token_ids: Sequence[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None = none; k = the chosen token's logprob and the top-k
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    skip_special_tokens: bool = True
+    n: int = 1
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        def bad(name: str, why: str) -> ValueError:
+            return ValueError(f"{name}: {why}, got {getattr(self, name)!r}")
+
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens <= 0:
+            raise bad("max_tokens", "must be a positive integer")
+        if self.n != 1:
+            raise bad("n", "only n=1 is supported (send several requests for several samples)")
+        validate_sampling(self.temperature, self.top_p, self.top_k, self.min_p, self.repetition_penalty,
+                          self.presence_penalty, self.frequency_penalty, self.logprobs, MAX_LOGPROBS)
+        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
+            raise bad("seed", "must be a non-negative integer")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.stop is not None and (not all(isinstance(s, str) and s for s in self.stop)):
+            raise bad("stop", "must be a non-empty string or a list of them")
+        if self.stop_token_ids is not None and not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "must be a list of token ids")
+
+    @property
+    def stops(self) -> list[str]:
+        return list(self.stop or [])
+
+
+@dataclasses.dataclass
+class Logprob:
+    token_id: int
+    logprob: float
+    top: dict[int, float]  # the top-n token ids -> logprob (n = SamplingParams.logprobs)
+
+
+@dataclasses.dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop", "length", "abort", "error" or None while running
+    logprobs: list[Logprob] | None = None
+    stop_reason: str | int | None = None  # the stop string or stop token that ended it
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    # Streaming: what this update added (text and ids since the previous RequestOutput of this request).
+    delta_text: str = ""
+    delta_token_ids: list[int] = dataclasses.field(default_factory=list)
+    error: str | None = None
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict)

@@ -1,0 +1,372 @@
+"""On-device sampling: pure JAX functions called inside the engine's jitted step, plus the host-side builder.
+
+Every per-request parameter is an array with one row per sampled row, so one compiled function serves any mix
+of greedy, seeded, filtered and penalised requests; the only static inputs are shapes and `max_logprobs`.
+
+Processing order (as vLLM's v1 sampler):
+  raw logits -> penalties (repetition, then frequency / presence) -> temperature
+  -> min_p, top_k, top_p filtering -> Gumbel-max sampling with the row's own key.
+Greedy rows (temperature <= 1e-5, vLLM's epsilon) take the argmax of the penalised logits: exactly argmax,
+so a greedy request's tokens do not depend on the rest of the batch.
+
+Logprobs follow vLLM's default (`logprobs_mode="raw_logprobs"`): `log_softmax` of the raw model logits,
+before penalties, temperature and filtering, for the chosen token and for the `max_logprobs` most likely
+tokens.
+
+Randomness: row r's key is `fold_in(wrap_key_data(seeds[r], threefry2x32), step[r])` and its noise is a
+Gumbel vector over the whole vocabulary drawn from that key alone. So a seeded request draws the same token
+whatever its row index, whatever else is in the batch, and across preemption-by-recompute (the step is the
+number of tokens the request has generated, not an engine counter).
+
+Token history for penalties (design choice): a dense `[L, V]` count table built on the host would cost
+L * V * 5 bytes per step (V is about 200k for M3: ~1 MB per row, every step). Instead the host sends, for
+penalised rows only, the distinct token ids seen so far, `hist_ids[L, H]` (-1 padded), and how often each
+occurs in the output, `hist_counts[L, H]` (0 for a token seen only in the prompt). The device expands them
+to dense `[L, V]` tables with one scatter. H is bucketed (0, or a power of two >= 16) to bound the number of
+compiled shapes; H = 0 when no row in the batch uses a penalty, and then the penalty code is not traced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# vLLM treats temperatures below this as greedy: dividing by a tiny temperature overflows to inf.
+GREEDY_EPS = 1e-5
+# Smallest non-zero history width: keeps the number of compiled history shapes small.
+MIN_HISTORY_BUCKET = 16
+DEFAULT_MAX_LOGPROBS = 20
+
+_U32 = 0xFFFFFFFF
+_U64 = (1 << 64) - 1
+
+
+class SamplingParamsLike(Protocol):
+    """What the builder reads from a request's sampling parameters (serving.api.SamplingParams fits).
+
+    Missing attributes mean "off", so a bare object samples greedily.
+    """
+
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    repetition_penalty: float
+    presence_penalty: float
+    frequency_penalty: float
+    seed: int | None
+
+
+# Host numpy arrays from `build`, device arrays (or tracers) inside the jitted step.
+Array = jax.Array | np.ndarray
+
+# (prompt token ids, output token ids so far) of the request a row samples for.
+TokenHistory = tuple[Sequence[int] | np.ndarray, Sequence[int] | np.ndarray]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplingTensors:
+    """Per-row sampling inputs for L sampled rows; all leaves, no static fields (one compile for any mix)."""
+
+    temperature: Array  # f32[L]; <= GREEDY_EPS means greedy
+    top_k: Array  # i32[L]; 0 or >= V means off
+    top_p: Array  # f32[L]; 1 means off
+    min_p: Array  # f32[L]; 0 means off
+    repetition_penalty: Array  # f32[L]; 1 means off
+    presence_penalty: Array  # f32[L]; 0 means off
+    frequency_penalty: Array  # f32[L]; 0 means off
+    # u32[L, 2]: the request's seed as two 32-bit words (hi, lo), i.e. threefry2x32 key data. Two words so
+    # that 64-bit client seeds do not collide; for seeds < 2**32 this is exactly jax.random.key(seed).
+    seeds: Array
+    step: Array  # i32[L]: tokens the request has generated before this row's token
+    hist_ids: Array  # i32[L, H]: distinct token ids in prompt (if repetition penalty) and output; -1 padded
+    hist_counts: Array  # i32[L, H]: occurrences of hist_ids[r, j] in the output (0: prompt only or padding)
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.temperature.shape[0])
+
+    @classmethod
+    def build(
+        cls,
+        params_list: Sequence[SamplingParamsLike],
+        histories: Sequence[TokenHistory | None] | None,
+        steps: Sequence[int],
+        num_rows_bucket: int,
+        *,
+        history_bucket: int | None = None,
+        rng: np.random.Generator | None = None,
+    ) -> SamplingTensors:
+        """Numpy `SamplingTensors` for `len(params_list)` rows padded to `num_rows_bucket` with greedy rows.
+
+        `histories[i]` is needed only for rows with a penalty (None otherwise); `steps[i]` is the number of
+        tokens row i's request has generated before the token this row samples (a decode row:
+        len(output_ids); draft-verification row j of a request: len(output_ids) + j). An unseeded request
+        gets a fresh random seed from `rng` (the engine should fix one per request at admission if it wants
+        unseeded requests to survive preemption unchanged). `history_bucket` forces the history width
+        (it must be >= what the rows need); by default it is 0 or the next power of two >= 16.
+        """
+        n = len(params_list)
+        if num_rows_bucket < n:
+            raise ValueError(f"num_rows_bucket={num_rows_bucket} is smaller than the {n} rows to sample")
+        if len(steps) != n:
+            raise ValueError(f"got {len(steps)} steps for {n} rows")
+        if histories is not None and len(histories) != n:
+            raise ValueError(f"got {len(histories)} histories for {n} rows")
+        rng = rng if rng is not None else np.random.default_rng()
+        L = num_rows_bucket
+
+        temperature = np.zeros(L, np.float32)
+        top_k = np.zeros(L, np.int32)
+        top_p = np.ones(L, np.float32)
+        min_p = np.zeros(L, np.float32)
+        rep = np.ones(L, np.float32)
+        presence = np.zeros(L, np.float32)
+        frequency = np.zeros(L, np.float32)
+        seeds = np.zeros((L, 2), np.uint32)
+        step = np.zeros(L, np.int32)
+        rows_hist: list[tuple[int, np.ndarray, np.ndarray]] = []
+
+        for i, p in enumerate(params_list):
+            temperature[i] = _attr(p, "temperature", 0.0)
+            top_k[i] = max(int(_attr(p, "top_k", 0)), 0)  # -1 (vLLM's "off") -> 0
+            top_p[i] = _attr(p, "top_p", 1.0)
+            min_p[i] = _attr(p, "min_p", 0.0)
+            rep[i] = _attr(p, "repetition_penalty", 1.0)
+            presence[i] = _attr(p, "presence_penalty", 0.0)
+            frequency[i] = _attr(p, "frequency_penalty", 0.0)
+            seed = getattr(p, "seed", None)
+            s = int(rng.integers(0, 1 << 63)) if seed is None else int(seed) & _U64
+            seeds[i] = ((s >> 32) & _U32, s & _U32)
+            step[i] = steps[i]
+
+            uses_rep = rep[i] != 1.0
+            if uses_rep or presence[i] != 0.0 or frequency[i] != 0.0:
+                hist = histories[i] if histories is not None else None
+                if hist is None:
+                    raise ValueError(f"row {i} uses a penalty but has no token history")
+                rows_hist.append((i, *_row_history(hist, include_prompt=bool(uses_rep))))
+
+        need = max((len(ids) for _, ids, _ in rows_hist), default=0)
+        if history_bucket is None:
+            H = 0 if not rows_hist else max(MIN_HISTORY_BUCKET, 1 << (need - 1).bit_length())
+        elif history_bucket < need or (rows_hist and history_bucket == 0):
+            raise ValueError(f"history_bucket={history_bucket} is smaller than the {need} ids a row needs")
+        else:
+            H = history_bucket
+        hist_ids = np.full((L, H), -1, np.int32)
+        hist_counts = np.zeros((L, H), np.int32)
+        for i, ids, counts in rows_hist:
+            hist_ids[i, : len(ids)] = ids
+            hist_counts[i, : len(ids)] = counts
+
+        return cls(
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            repetition_penalty=rep,
+            presence_penalty=presence,
+            frequency_penalty=frequency,
+            seeds=seeds,
+            step=step,
+            hist_ids=hist_ids,
+            hist_counts=hist_counts,
+        )
+
+
+def _attr(p: Any, name: str, default: float) -> float:
+    v = getattr(p, name, None)
+    return default if v is None else v
+
+
+def _row_history(hist: TokenHistory, include_prompt: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Distinct ids (output, plus prompt when the repetition penalty needs it) and their output counts."""
+    prompt, output = (np.asarray(h, np.int64).reshape(-1) for h in hist)
+    out_ids, out_counts = np.unique(output, return_counts=True)
+    if not include_prompt:
+        return out_ids.astype(np.int32), out_counts.astype(np.int32)
+    ids = np.union1d(np.unique(prompt), out_ids)  # sorted, distinct
+    counts = np.zeros(len(ids), np.int32)
+    counts[np.searchsorted(ids, out_ids)] = out_counts
+    return ids.astype(np.int32), counts
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SampleOutput:
+    tokens: jax.Array  # i32[L]
+    logprobs: jax.Array  # f32[L]: raw-model log-probability of tokens
+    top_ids: jax.Array  # i32[L, max_logprobs]: most likely tokens of the raw model, descending
+    top_logprobs: jax.Array  # f32[L, max_logprobs]
+
+
+# ---- device side -------------------------------------------------------------------------------------------
+
+
+def history_tables(t: SamplingTensors, vocab_size: int) -> tuple[jax.Array, jax.Array]:
+    """Dense (`seen` bool[L, V]: in prompt or output, `counts` i32[L, V]: occurrences in the output)."""
+    L, H = t.hist_ids.shape
+    # -1 padding (and any id outside the vocabulary) is pointed past the end and dropped by the scatter.
+    ids = jnp.where((t.hist_ids < 0) | (t.hist_ids >= vocab_size), vocab_size, t.hist_ids)
+    rows = jnp.broadcast_to(jnp.arange(L)[:, None], (L, H))
+    seen = jnp.zeros((L, vocab_size), bool).at[rows, ids].set(True, mode="drop")
+    counts = jnp.zeros((L, vocab_size), jnp.int32).at[rows, ids].add(t.hist_counts, mode="drop")
+    return seen, counts
+
+
+def apply_penalties(logits: jax.Array, t: SamplingTensors) -> jax.Array:
+    """Repetition (vLLM/HF: prompt or output), then frequency and presence (OpenAI: output counts).
+
+    A row with every penalty off comes back bit-identical (x - 0 == x, and the repetition select keeps x),
+    which is what keeps greedy rows batch-invariant next to penalised ones.
+    """
+    if t.hist_ids.shape[1] == 0:  # static: no row in this batch uses a penalty
+        return logits
+    seen, counts = history_tables(t, logits.shape[-1])
+    rep = t.repetition_penalty[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    counts_f = counts.astype(logits.dtype)
+    logits = logits - t.frequency_penalty[:, None] * counts_f
+    return logits - t.presence_penalty[:, None] * (counts > 0).astype(logits.dtype)
+
+
+def filter_mask(scaled: jax.Array, t: SamplingTensors) -> jax.Array:
+    """bool[L, V]: tokens that survive min_p, top_k and top_p, each row with its own parameters.
+
+    One stable descending sort per row; ranks break ties by lower token id, so the kept set is deterministic.
+    min_p: drop p < min_p * p_max. top_k: keep rank < k. top_p (on the distribution renormalised after
+    min_p and top_k, as vLLM): keep the smallest prefix whose mass >= p, i.e. a token is kept when the mass
+    strictly before it is < p; rank 0 is always kept. Each parameter at its "off" value keeps every token.
+    """
+    L, V = scaled.shape
+    ids = jnp.broadcast_to(jnp.arange(V, dtype=jnp.int32), (L, V))
+    # Sorting the negated logits ascending with a stable sort = descending order, ties by lower id.
+    neg_sorted, sorted_ids = jax.lax.sort((-scaled, ids), dimension=1, num_keys=1, is_stable=True)
+    sorted_logits = -neg_sorted
+
+    probs = jax.nn.softmax(sorted_logits, axis=-1)
+    keep = probs >= t.min_p[:, None] * probs[:, :1]
+    k = jnp.where((t.top_k <= 0) | (t.top_k >= V), V, t.top_k)
+    keep &= jnp.arange(V)[None, :] < k[:, None]
+
+    renorm = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
+    # Exclusive cumulative sum by shifting (cumsum - p would round differently from the mass truly before).
+    mass_before = jnp.concatenate([jnp.zeros((L, 1), renorm.dtype), jnp.cumsum(renorm, axis=-1)[:, :-1]], -1)
+    # top_p >= 1 is "off" explicitly: a rounded cumulative sum can reach 1.0 before the tail's tiny tokens.
+    keep &= (mass_before < t.top_p[:, None]) | (t.top_p[:, None] >= 1.0)
+    keep = keep.at[:, 0].set(True)
+
+    # Back to vocabulary order (sorted_ids is a permutation per row, so the scatter is exact).
+    return jnp.zeros((L, V), bool).at[jnp.arange(L)[:, None], sorted_ids].set(keep)
+
+
+def row_noise(t: SamplingTensors, vocab_size: int) -> jax.Array:
+    """f32[L, V] Gumbel noise; row r depends only on (seeds[r], step[r]) and V."""
+
+    def one(seed_words: jax.Array, step: jax.Array) -> jax.Array:
+        key = jax.random.wrap_key_data(seed_words, impl="threefry2x32")
+        return jax.random.gumbel(jax.random.fold_in(key, step), (vocab_size,), jnp.float32)
+
+    return jax.vmap(one)(t.seeds, t.step)
+
+
+def sample(logits: jax.Array, t: SamplingTensors, max_logprobs: int) -> SampleOutput:
+    """Sample one token per row of `logits[L, V]`; `max_logprobs` (static) is the width of the top lists."""
+    logits = logits.astype(jnp.float32)
+    L, V = logits.shape
+    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
+
+    penalised = apply_penalties(logits, t)
+    greedy_tokens = jnp.argmax(penalised, axis=-1).astype(jnp.int32)
+    is_greedy = t.temperature <= GREEDY_EPS
+    scaled = penalised / jnp.where(is_greedy, 1.0, t.temperature)[:, None]
+
+    # The sort and the noise are the expensive parts; lax.cond skips them for batches that do not need them.
+    # A row's result is the same on either branch (a row with filters off gets an all-true mask from
+    # filter_mask too), so skipping does not make a row depend on its neighbours.
+    needs_filter = ~is_greedy & (((t.top_k > 0) & (t.top_k < V)) | (t.top_p < 1.0) | (t.min_p > 0.0))
+    keep = jax.lax.cond(
+        jnp.any(needs_filter),
+        lambda s: filter_mask(s, t),
+        lambda s: jnp.ones(s.shape, bool),
+        scaled,
+    )
+
+    def draw(s: jax.Array, m: jax.Array) -> jax.Array:
+        # Gumbel-max: argmax(logits + Gumbel) is a draw from softmax(logits) restricted to the kept tokens.
+        perturbed = jnp.where(m, s + row_noise(t, V), -jnp.inf)
+        return jnp.argmax(perturbed, axis=-1).astype(jnp.int32)
+
+    sampled = jax.lax.cond(jnp.any(~is_greedy), draw, lambda s, m: greedy_tokens, scaled, keep)
+    tokens = jnp.where(is_greedy, greedy_tokens, sampled)
+
+    token_logprobs = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
+    if max_logprobs > 0:
+        top_logprobs, top_ids = jax.lax.top_k(raw_logprobs, max_logprobs)
+    else:
+        top_logprobs = jnp.zeros((L, 0), jnp.float32)
+        top_ids = jnp.zeros((L, 0), jnp.int32)
+    return SampleOutput(tokens, token_logprobs, top_ids.astype(jnp.int32), top_logprobs)
+
+
+# ---- validation for the API layer --------------------------------------------------------------------------
+
+
+def _number(name: str, value: Any) -> float:
+    # bool is an int in Python; a client sending `true` for a numeric field is a mistake, not 1.
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if math.isnan(value):
+        raise ValueError(f"{name} must not be NaN")
+    return float(value)
+
+
+def validate_sampling(
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    min_p: float = 0.0,
+    repetition_penalty: float = 1.0,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+    logprobs: int | None = None,
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS,
+) -> None:
+    """Raise ValueError naming the parameter when a value is outside what `sample` supports.
+
+    top_k: 0 or -1 mean off (vLLM accepts -1). logprobs: None means not requested.
+    """
+    t = _number("temperature", temperature)
+    if not (0.0 <= t < math.inf):
+        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature}")
+    p = _number("top_p", top_p)
+    if not (0.0 < p <= 1.0):
+        raise ValueError(f"top_p must be in (0, 1] (1 = off), got {top_p}")
+    k = _number("top_k", top_k)
+    if not float(k).is_integer():
+        raise ValueError(f"top_k must be an integer, got {top_k}")
+    if k < -1:
+        raise ValueError(f"top_k must be >= 0, or -1 / 0 for off, got {top_k}")
+    m = _number("min_p", min_p)
+    if not (0.0 <= m <= 1.0):
+        raise ValueError(f"min_p must be in [0, 1] (0 = off), got {min_p}")
+    r = _number("repetition_penalty", repetition_penalty)
+    if not (0.0 < r < math.inf):
+        raise ValueError(f"repetition_penalty must be a finite number > 0 (1 = off), got {r}")
+    for name, value in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
+        if not (-2.0 <= _number(name, value) <= 2.0):
+            raise ValueError(f"{name} must be in [-2, 2] (0 = off), got {value}")
+    if logprobs is not None:
+        n = _number("logprobs", logprobs)
+        if not float(n).is_integer():
+            raise ValueError(f"logprobs must be an integer, got {logprobs}")
+        if not (0 <= n <= max_logprobs):
+            raise ValueError(f"logprobs must be in [0, {max_logprobs}], got {logprobs}")

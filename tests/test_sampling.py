@@ -1,0 +1,265 @@
+"""On-device sampling: greedy, seeds, batch invariance, filters, penalties, logprobs, validation.
+
+Few distinct shapes on purpose (each costs a compile): V = 16 everywhere, max_logprobs = 3, and batches of
+1 row (no history), 5 rows (history width 16) and 2048 rows (no history) for the empirical checks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from serving.sampling import (
+    SamplingTensors,
+    apply_penalties,
+    sample,
+    validate_sampling,
+)
+
+V = 16
+K_LOGPROBS = 3
+N_EMPIRICAL = 2048
+
+_sample = jax.jit(sample, static_argnames="max_logprobs")
+
+
+@dataclasses.dataclass
+class P:
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = 0
+
+
+def run(logits: np.ndarray, t: SamplingTensors):
+    out = _sample(jnp.asarray(logits, jnp.float32), t, max_logprobs=K_LOGPROBS)
+    return jax.tree.map(np.asarray, out)
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    m = x.max(-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
+
+
+def random_logits(rows: int, seed: int, scale: float = 1.0) -> np.ndarray:
+    return (np.random.default_rng(seed).standard_normal((rows, V)) * scale).astype(np.float32)
+
+
+# A hand-made distribution: 4 large tokens at shuffled ids (so the sort matters), 12 small ones.
+_PERM = np.random.default_rng(7).permutation(V)
+_PROBS_SORTED = np.array([0.35, 0.25, 0.15, 0.10] + [0.0125] * 12)
+HAND_PROBS = np.empty(V)
+HAND_PROBS[_PERM] = _PROBS_SORTED
+HAND_LOGITS = np.log(HAND_PROBS).astype(np.float32)
+
+
+def top_ids(n: int) -> set[int]:
+    return {int(i) for i in _PERM[:n]}
+
+
+# ---- greedy, seeds, batch invariance ----------------------------------------------------------------------
+
+
+def test_greedy_is_argmax_and_logprobs_are_raw_log_softmax() -> None:
+    logits = random_logits(N_EMPIRICAL, seed=0)
+    logits[0, [3, 9]] = logits[0].max() + 1.0  # a tie: argmax takes the lower id
+    t = SamplingTensors.build([P()] * N_EMPIRICAL, None, [0] * N_EMPIRICAL, N_EMPIRICAL)
+    out = run(logits, t)
+    np.testing.assert_array_equal(out.tokens, logits.argmax(-1))
+    assert out.tokens[0] == 3
+    ref = log_softmax(logits)
+    np.testing.assert_allclose(out.logprobs, ref[np.arange(N_EMPIRICAL), out.tokens], atol=1e-5)
+    np.testing.assert_array_equal(out.top_ids, np.argsort(-logits, axis=-1, kind="stable")[:, :K_LOGPROBS])
+    np.testing.assert_allclose(out.top_logprobs, np.sort(ref, -1)[:, ::-1][:, :K_LOGPROBS], atol=1e-5)
+
+
+def test_seeded_sampling_is_reproducible_and_batch_invariant() -> None:
+    target_logits = random_logits(1, seed=1, scale=0.3)[0]  # flat-ish: many tokens are plausible
+    neighbours = random_logits(5, seed=2)
+    neighbour_params = [
+        P(),  # greedy
+        P(temperature=1.0, seed=99, top_k=3, top_p=0.8),  # forces the filter branch
+        P(temperature=0.5, seed=5, repetition_penalty=1.5, frequency_penalty=0.3),  # forces a history
+        None,  # the target goes here
+        P(temperature=1.2, seed=1234, min_p=0.2),  # same seed as the target, different step
+    ]
+    hist = ([1, 2, 3], [4, 4, 5])
+    for target in (P(temperature=0.9, seed=1234), P(temperature=0.9, seed=(1 << 40) + 1234, top_p=0.9)):
+        alone, batched = [], []
+        for step in range(8):
+            t1 = SamplingTensors.build([target], None, [step], 1)
+            alone.append(run(target_logits[None], t1).tokens[0])
+            params = [target if p is None else p for p in neighbour_params]
+            t5 = SamplingTensors.build(params, [None, None, hist, None, None], [3, 1, 4, step, 0], 5)
+            logits = neighbours.copy()
+            logits[3] = target_logits
+            out = run(logits, t5)
+            batched.append(out.tokens[3])
+            assert out.tokens[0] == logits[0].argmax()  # greedy next to sampled / penalised rows
+        assert alone == batched
+        assert len(set(alone)) > 3  # the step changes the draw
+        # Same seed and step again: same token.
+        again = run(target_logits[None], SamplingTensors.build([target], None, [5], 1)).tokens[0]
+        assert again == alone[5]
+
+
+def test_seed_words_are_jax_key_data() -> None:
+    t = SamplingTensors.build([P(seed=12345), P(seed=(7 << 32) | 9), P(seed=-1)], None, [0, 0, 0], 4)
+    np.testing.assert_array_equal(t.seeds[0], jax.random.key_data(jax.random.key(12345)))
+    np.testing.assert_array_equal(t.seeds[1], [7, 9])
+    np.testing.assert_array_equal(t.seeds[2], [0xFFFFFFFF, 0xFFFFFFFF])
+    np.testing.assert_array_equal(t.seeds[3], [0, 0])
+
+
+# ---- empirical: one 2048-row call per check, rows differ only by seed ------------------------------------
+
+
+def sample_many(logits_row: np.ndarray, **params: float) -> np.ndarray:
+    rows = [P(seed=1000 + i, **{"temperature": 1.0, **params}) for i in range(N_EMPIRICAL)]
+    t = SamplingTensors.build(rows, None, [3] * N_EMPIRICAL, N_EMPIRICAL)
+    return run(np.broadcast_to(logits_row, (N_EMPIRICAL, V)), t).tokens
+
+
+def test_temperature_one_matches_softmax() -> None:
+    logits = random_logits(1, seed=3, scale=0.5)[0]
+    probs = np.exp(log_softmax(logits))
+    counts = np.bincount(sample_many(logits), minlength=V)
+    expected = probs * N_EMPIRICAL
+    chi2 = ((counts - expected) ** 2 / expected).sum()
+    assert chi2 < 45.0, (chi2, counts, expected)  # 15 dof: P(chi2 > 45) ~ 1e-4
+
+
+def test_temperature_sharpens() -> None:
+    logits = random_logits(1, seed=4)[0]
+    probs = np.exp(log_softmax(logits / 0.5))
+    counts = np.bincount(sample_many(logits, temperature=0.5), minlength=V)
+    np.testing.assert_allclose(counts / N_EMPIRICAL, probs, atol=0.04)
+
+
+def test_top_k() -> None:
+    assert set(sample_many(HAND_LOGITS, top_k=3).tolist()) == top_ids(3)
+    # top_k = 1 is greedy whatever the seed; off values (0, >= V) keep everything.
+    assert set(sample_many(HAND_LOGITS, top_k=1).tolist()) == top_ids(1)
+    assert len(set(sample_many(HAND_LOGITS, top_k=V).tolist())) == V
+
+
+def test_top_p_keeps_smallest_prefix_with_enough_mass() -> None:
+    # Sorted masses 0.35, 0.25, 0.15, 0.10, ...: p = 0.55 needs 2 tokens, p = 0.8 needs 4.
+    assert set(sample_many(HAND_LOGITS, top_p=0.55).tolist()) == top_ids(2)
+    assert set(sample_many(HAND_LOGITS, top_p=0.8).tolist()) == top_ids(4)
+    assert set(sample_many(HAND_LOGITS, top_p=0.01).tolist()) == top_ids(1)  # at least one token
+    # top_p after top_k renormalises: among (0.35, 0.25, 0.15) / 0.75, p = 0.45 needs 1 token, 0.5 needs 2.
+    assert set(sample_many(HAND_LOGITS, top_k=3, top_p=0.45).tolist()) == top_ids(1)
+    assert set(sample_many(HAND_LOGITS, top_k=3, top_p=0.5).tolist()) == top_ids(2)
+
+
+def test_min_p() -> None:
+    # Threshold 0.3 * 0.35 = 0.105: the 0.10 token and the tail go.
+    assert set(sample_many(HAND_LOGITS, min_p=0.3).tolist()) == top_ids(3)
+    kept = sample_many(HAND_LOGITS, min_p=0.3)
+    frac = np.array([(kept == i).mean() for i in _PERM[:3]])
+    np.testing.assert_allclose(frac, _PROBS_SORTED[:3] / _PROBS_SORTED[:3].sum(), atol=0.04)
+
+
+# ---- penalties ---------------------------------------------------------------------------------------------
+
+
+def test_penalties_change_the_argmax() -> None:
+    base = np.full((5, V), -3.0, np.float32)
+    base[:, 2], base[:, 5] = 2.0, 1.8  # rows 0, 2, 3: token 2 leads by 0.2
+    base[1, 2], base[1, 5] = -1.0, -1.1  # row 1: all negative, token 2 leads by 0.1
+    base[4, 2], base[4, 5] = 1.0, 0.5  # row 4: token 2 leads by 0.5
+    params = [
+        P(repetition_penalty=1.2),  # 2 in the prompt: 2.0 / 1.2 = 1.67 < 1.8
+        P(repetition_penalty=1.2),  # 2 in the output, negative: -1.0 * 1.2 = -1.2 < -1.1
+        P(presence_penalty=0.5),  # 2 once in the output: 1.5 < 1.8
+        P(presence_penalty=0.5),  # 2 only in the prompt: presence counts the output only
+        P(frequency_penalty=0.2),  # 2 three times in the output: 1.0 - 0.6 = 0.4 < 0.5
+    ]
+    hists = [([2, 7], [9]), ([7], [2]), ([0], [2]), ([2, 2], [9]), ([], [2, 11, 2, 2])]
+    t = SamplingTensors.build(params, hists, [1, 1, 1, 1, 4], 5)
+    out = run(base, t)
+    np.testing.assert_array_equal(out.tokens, [5, 5, 5, 2, 5])
+    # Logprobs stay those of the raw model.
+    np.testing.assert_allclose(out.logprobs, log_softmax(base)[np.arange(5), out.tokens], atol=1e-5)
+
+    penalised = np.asarray(apply_penalties(jnp.asarray(base), jax.tree.map(jnp.asarray, t)))
+    np.testing.assert_allclose(penalised[0, [2, 7, 9]], [2.0 / 1.2, -3.0 * 1.2, -3.0 * 1.2], rtol=1e-6)
+    np.testing.assert_allclose(penalised[4, [2, 5, 11]], [1.0 - 0.6, 0.5, -3.0 - 0.2], rtol=1e-6)
+    # Row 3: the prompt-only token 2 is untouched, the output token 9 pays the presence penalty once.
+    np.testing.assert_array_equal(penalised[3, [2, 5, 9]], base[3, [2, 5, 9]] - [0, 0, 0.5])
+
+
+# ---- builder -----------------------------------------------------------------------------------------------
+
+
+def test_builder_pads_and_buckets() -> None:
+    t = SamplingTensors.build([P(temperature=0.7, top_k=-1, seed=None)], None, [4], 4)
+    assert t.num_rows == 4 and t.hist_ids.shape == (4, 0)
+    assert t.top_k[0] == 0 and t.step[0] == 4
+    np.testing.assert_array_equal(t.temperature[1:], 0.0)  # padding rows are greedy with everything off
+    np.testing.assert_array_equal(t.top_p[1:], 1.0)
+    np.testing.assert_array_equal(t.repetition_penalty[1:], 1.0)
+
+    prompt, output = list(range(100, 120)), [5, 5, 6]
+    t = SamplingTensors.build(
+        [P(repetition_penalty=1.1), P(presence_penalty=0.1)], [(prompt, output)] * 2, [3, 3], 2
+    )
+    assert t.hist_ids.shape == (2, 32)  # 22 distinct ids -> bucket 32
+    assert sorted(t.hist_ids[0][t.hist_ids[0] >= 0]) == [5, 6, *prompt]
+    assert t.hist_ids[1][:2].tolist() == [5, 6] and t.hist_counts[1][:2].tolist() == [2, 1]
+    assert (t.hist_ids[1][2:] == -1).all()  # no prompt ids without a repetition penalty
+    assert t.hist_counts[0].sum() == 3
+
+    with pytest.raises(ValueError, match="num_rows_bucket"):
+        SamplingTensors.build([P(), P()], None, [0, 0], 1)
+    with pytest.raises(ValueError, match="history"):
+        SamplingTensors.build([P(frequency_penalty=0.5)], None, [0], 1)
+    with pytest.raises(ValueError, match="history_bucket"):
+        SamplingTensors.build([P(repetition_penalty=1.1)], [(prompt, output)], [0], 1, history_bucket=16)
+
+
+# ---- validation --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"top_k": 2.5}, "top_k"),
+        ({"min_p": -0.1}, "min_p"),
+        ({"min_p": 1.1}, "min_p"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -2.1}, "frequency_penalty"),
+        ({"frequency_penalty": float("nan")}, "frequency_penalty"),
+        ({"logprobs": -1}, "logprobs"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"top_p": "0.5"}, "top_p"),
+        ({"temperature": True}, "temperature"),
+    ],
+)
+def test_validation_rejects(kwargs: dict, name: str) -> None:
+    with pytest.raises(ValueError, match=f"^{name} "):
+        validate_sampling(**kwargs)
+
+
+def test_validation_accepts_edges() -> None:
+    validate_sampling()
+    validate_sampling(temperature=0, top_p=1, top_k=-1, min_p=1, repetition_penalty=0.5)
+    validate_sampling(presence_penalty=-2, frequency_penalty=2, logprobs=20, max_logprobs=20)
+    validate_sampling(top_k=0, logprobs=0)

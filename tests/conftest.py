@@ -5,3 +5,10 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("M3JAX_NO_PROGRESS", "1")
+
+# One persistent XLA compilation cache for the whole run: engines started by different tests (and server
+# subprocesses) reuse each other's compiled step buckets instead of recompiling them.
+if "M3JAX_COMPILATION_CACHE" not in os.environ:
+    import tempfile
+
+    os.environ["M3JAX_COMPILATION_CACHE"] = tempfile.mkdtemp(prefix="m3jax-xla-")

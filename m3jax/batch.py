@@ -35,6 +35,9 @@ class Batch:
     slot_mapping: jax.Array  # [T] int32 page * page_size + offset where the token's K/V/index-K go (padding: 0)
     page_table: jax.Array  # [R, P] int32 physical page of each logical block (unused: the sink page)
     logit_rows: jax.Array  # [L] int32 flat token indices whose logits are wanted (sampled rows)
+    # Per-row views of the same layout, for kernels that give one program all query rows of a request:
+    query_start: jax.Array  # [R + 1] int32 row r's tokens are token_ids[query_start[r]:query_start[r + 1]]
+    seq_lens: jax.Array  # [R] int32 tokens in row r's pages after this step (context + new); 0 = padding row
 
     @property
     def num_tokens(self) -> int:
@@ -103,6 +106,8 @@ def build_batch(rows: Sequence[RowPlan], ps: int, num_tokens: int, num_rows: int
     slots = np.full(num_tokens, SINK_PAGE * ps, np.int32)
     page_table = np.full((num_rows, pages_per_row), SINK_PAGE, np.int32)
     logit_rows = np.zeros(num_logit_rows, np.int32)
+    query_start = np.zeros(num_rows + 1, np.int32)
+    seq_lens = np.zeros(num_rows, np.int32)
     sample_index: list[int] = []
     t = 0
     n_logits = 0
@@ -119,6 +124,7 @@ def build_batch(rows: Sequence[RowPlan], ps: int, num_tokens: int, num_rows: int
         positions[t:t + n] = pos
         token_row[t:t + n] = r
         slots[t:t + n] = page_table[r, pos // ps] * ps + pos % ps
+        seq_lens[r] = end
         if row.sample and n:
             if n_logits >= num_logit_rows:
                 raise ValueError("more sampled rows than logit rows in the bucket")
@@ -128,5 +134,7 @@ def build_batch(rows: Sequence[RowPlan], ps: int, num_tokens: int, num_rows: int
         else:
             sample_index.append(-1)
         t += n
-    batch = Batch(*(jnp.asarray(a) for a in (token_ids, positions, token_row, slots, page_table, logit_rows)))
+        query_start[r + 1:] = t
+    batch = Batch(*(jnp.asarray(a) for a in (token_ids, positions, token_row, slots, page_table, logit_rows,
+                                             query_start, seq_lens)))
     return batch, sample_index

@@ -1,4 +1,9 @@
-"""`m3jax` command line: `m3jax generate --prompt "..." [--model DIR]`."""
+"""`m3jax` command line.
+
+    m3jax generate --prompt "..." [--model DIR]      greedy decoding of one prompt
+    m3jax serve [--model DIR|preset] [--grpc-port N] [--http-port N] ...   gRPC + OpenAI-compatible HTTP server
+    m3jax bench serve --base-url URL [--concurrency 1,4,8] ...            serving benchmark (InferenceX contract)
+"""
 
 from __future__ import annotations
 
@@ -63,7 +68,31 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     g.add_argument("--tensor-parallel-size", type=int, default=1)
     g.set_defaults(func=_generate)
+
+    from serving import bench, server
+
+    s = sub.add_parser("serve", help="serve a model over gRPC and an OpenAI-compatible HTTP API")
+    server.add_arguments(s)
+    s.set_defaults(func=_serve)
+
+    b = sub.add_parser("bench", help="benchmarks")
+    bsub = b.add_subparsers(dest="bench_command", required=True)
+    bs = bsub.add_parser("serve", help="serving benchmark against an OpenAI-compatible server")
+    bench.add_arguments(bs)
+    bs.set_defaults(func=_bench_serve)
     return p
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from serving.server import serve
+
+    return serve(args)
+
+
+def _bench_serve(args: argparse.Namespace) -> int:
+    from serving.bench import run
+
+    return run(args)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -68,8 +68,8 @@ class LLM:
             while not done:
                 for out in self.engine.step():
                     if out.request_id == rid:
-                        if out.error and not out.outputs[0].token_ids:
-                            raise ValueError(out.error)
+                        if out.error is not None:
+                            raise (ValueError if out.rejected else RuntimeError)(out.error)
                         done = out.finished
                         yield out
         finally:

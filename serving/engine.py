@@ -132,7 +132,10 @@ class Engine:
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: send the prompt as token ids")
             text = prompt
-            ids = self.tokenizer.encode(prompt)
+            try:
+                ids = self.tokenizer.encode(prompt)
+            except (TypeError, UnicodeError) as e:  # e.g. an unpaired UTF-16 surrogate from a JSON client
+                raise ValueError(f"the prompt is not valid text: {e}") from e
         else:
             ids = list(prompt)
             if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
@@ -217,7 +220,7 @@ class Engine:
                 try:
                     self.scheduler.add(tr.req)
                 except ValueError as e:
-                    self._emit(tr, outputs, FinishReason.ERROR, error=str(e))
+                    self._emit(tr, outputs, FinishReason.ERROR, error=str(e), rejected=True)
                     continue
                 self._tracked[tr.req.request_id] = tr
                 self.stats["requests"] += 1
@@ -257,7 +260,7 @@ class Engine:
         self._emit(tr, outputs, req.finish_reason if finished else None, delta_text=new_text)
 
     def _emit(self, tr: _Tracked, outputs: list[RequestOutput], reason: FinishReason | None,
-              delta_text: str = "", error: str | None = None) -> None:
+              delta_text: str = "", error: str | None = None, rejected: bool = False) -> None:
         req = tr.req
         finished = reason is not None
         ids = list(req.output_ids)
@@ -268,7 +271,8 @@ class Engine:
             metrics["first_token"] = req.first_token_time
         if finished:
             metrics["finished"] = time.monotonic()
-            self._tracked.pop(req.request_id, None)
+            if self._tracked.get(req.request_id) is tr:  # a rejected duplicate id must not drop the original
+                del self._tracked[req.request_id]
             self.stats[f"finished_{reason.value}"] += 1
         out = RequestOutput(
             request_id=req.request_id,
@@ -281,6 +285,7 @@ class Engine:
             delta_text=delta_text,
             delta_token_ids=delta_ids,
             error=error,
+            rejected=rejected,
             metrics=metrics,
         )
         outputs.append(out)
@@ -342,7 +347,8 @@ class AsyncEngine:
                 out = await queue.get()
                 if out.error is not None:
                     finished = True  # an errored request is already finished: nothing to abort
-                    raise (ValueError if not out.outputs[0].token_ids else RuntimeError)(out.error)
+                    # A rejected request is the client's fault; a failed step is the server's.
+                    raise (ValueError if out.rejected else RuntimeError)(out.error)
                 finished = out.finished
                 yield out
                 if finished:

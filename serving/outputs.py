@@ -82,4 +82,5 @@ class RequestOutput:
     delta_text: str = ""
     delta_token_ids: list[int] = dataclasses.field(default_factory=list)
     error: str | None = None
+    rejected: bool = False  # the error is the request's fault (refused at admission), not the engine's
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)

@@ -37,12 +37,13 @@ def test_buckets_compiled_once_at_startup(llm):
 def test_exact_under_batching_chunking_and_preemption(llm):
     prompts = _prompts(36)
     params = [SamplingParams(temperature=0.0, max_tokens=int(m)) for m in np.random.default_rng(1).integers(5, 40, 36)]
-    alone = [llm.generate([p], q, use_tqdm=False)[0].outputs[0].token_ids for p, q in zip(prompts, params)]
+    alone = [llm.generate([p], q, use_tqdm=False)[0].outputs[0].token_ids
+             for p, q in zip(prompts, params, strict=True)]
 
     eng = llm.engine
     before = eng.stats["preemptions"]
     # Requests arrive over time: a few new ones before each step.
-    ids, results, pending = [], {}, list(zip(prompts, params))
+    ids, results, pending = [], {}, list(zip(prompts, params, strict=False))
     while pending or eng.has_work():
         for _ in range(3):
             if pending:
@@ -101,7 +102,7 @@ def test_abort_and_stop_token_and_logprobs(llm):
     assert stopped.outputs[0].token_ids == first[:first.index(first[3]) + 1]
     assert stopped.outputs[0].finish_reason == "stop" and stopped.outputs[0].stop_reason == first[3]
     lp = llm.generate([[9, 8, 7]], SamplingParams(temperature=0.0, max_tokens=3, logprobs=2), use_tqdm=False)[0]
-    for entry, tok in zip(lp.outputs[0].logprobs, lp.outputs[0].token_ids):
+    for entry, tok in zip(lp.outputs[0].logprobs, lp.outputs[0].token_ids, strict=False):
         assert entry.token_id == tok and len(entry.top) == 2 and tok == max(entry.top, key=entry.top.get)
     assert eng.pages_in_use == 0
 

@@ -1,0 +1,508 @@
+"""The OpenAI-compatible HTTP front end (aiohttp): `/v1/completions`, `/v1/chat/completions` (SSE streaming or
+not), `/v1/models`, `/health`, `/metrics` (Prometheus).
+
+Requests are checked field by field before anything runs, and every refusal is an OpenAI-style body
+`{"error": {"message", "type", "param", "code"}}`: 400 for malformed JSON / wrong types / values the engine cannot
+take, 401 for a missing API key, 404 for an unknown model (`model_not_found`), 429 for back-pressure, 503 while
+shutting down. What OpenAI's API has and this server does not (n > 1, echo, suffix, logit_bias, batches of
+prompts, JSON mode) is refused with a message that says so rather than silently ignored.
+
+Extras in vLLM's spelling: top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids, skip_special_tokens,
+chat_template_kwargs, add_generation_prompt, return_token_ids (token ids in each choice: `token_ids`, and
+`prompt_token_ids` in the first).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import logging
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from serving.engine import Prompt
+from serving.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from serving.outputs import Logprob, RequestOutput, SamplingParams
+from serving.server import Overloaded, RequestStream, ServingCore, ShuttingDown
+
+log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 64 * 2**20  # a 65k-token prompt as token ids is ~0.5 MB; leave room for long chats
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class APIError(Exception):
+    """A request refused with an OpenAI-style error body."""
+
+    def __init__(self, message: str, status: int = 400, type: str = "invalid_request_error",  # noqa: A002
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message, self.status, self.type, self.param, self.code = message, status, type, param, code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> web.Response:
+        return web.json_response(self.body(), status=self.status)
+
+
+# ---- request parsing (pure functions: tested without a server) -----------------------------------------------
+
+
+def _json_type(v: object) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "a boolean"
+    if isinstance(v, int | float):
+        return "a number"
+    if isinstance(v, str):
+        return "a string"
+    if isinstance(v, list):
+        return "an array"
+    return "an object"
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise APIError(f"the request body is not valid UTF-8 (invalid byte at offset {e.start})") from None
+    try:
+        # NaN / Infinity are Python's extension of JSON, not JSON: refuse them rather than sample with them.
+        body = json.loads(text, parse_constant=_reject_constant)
+    except ValueError as e:
+        raise APIError(f"the request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise APIError(f"the request body must be a JSON object, got {_json_type(body)}")
+    if "\\ud" in text.lower():
+        # A `\ud800`-style escape can decode to a lone surrogate: valid JSON, but not text the tokenizer can take
+        # (it raises TypeError deep inside). Refuse it here as the malformed input it is.
+        try:
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise APIError("the request contains an unpaired UTF-16 surrogate escape (not valid Unicode text)") \
+                from None
+    return body
+
+
+def _get(body: dict[str, Any], name: str, kind: type, default: Any = None) -> Any:
+    """body[name] checked against a JSON type; absent or null gives `default`."""
+    v = body.get(name)
+    if v is None:
+        return default
+    if kind is float:
+        ok = isinstance(v, int | float) and not isinstance(v, bool)
+        v = float(v) if ok else v
+        want = "a number"
+    elif kind is int:
+        # 5.0 is an integer as far as JSON is concerned (some clients serialise every number as a float).
+        ok = (isinstance(v, int) and not isinstance(v, bool)) or (isinstance(v, float) and v.is_integer())
+        v = int(v) if ok else v
+        want = "an integer"
+    else:
+        ok = isinstance(v, kind)
+        want = {str: "a string", bool: "a boolean", list: "an array", dict: "an object"}[kind]
+    if not ok:
+        raise APIError(f"`{name}` must be {want}, got {_json_type(v)}", param=name)
+    return v
+
+
+def _int_list(v: object) -> bool:
+    return isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
+
+
+def completion_prompt(v: object) -> Prompt:
+    """`prompt`: a string, a list of token ids, or a batch (list) of one of those; only batches of 1."""
+    if v is None:
+        raise APIError("`prompt` is required", param="prompt")
+    if isinstance(v, str):
+        return v
+    if isinstance(v, list) and v and (all(isinstance(p, str) for p in v) or all(_int_list(p) for p in v)):
+        if len(v) != 1:
+            raise APIError(f"this server takes one prompt per request and got a batch of {len(v)}: "
+                           "send them as separate requests", param="prompt")
+        return v[0]
+    if _int_list(v):
+        if not v:
+            raise APIError("`prompt` is empty", param="prompt")
+        return list(v)  # type: ignore[arg-type]
+    raise APIError("`prompt` must be a string, a list of token ids, or a list holding one of those",
+                   param="prompt")
+
+
+def chat_messages(v: object) -> list[dict[str, Any]]:
+    """`messages` with OpenAI's list-of-parts content flattened to a string (text parts only)."""
+    if not isinstance(v, list) or not v:
+        raise APIError("`messages` must be a non-empty array of {role, content} objects", param="messages")
+    out = []
+    for i, m in enumerate(v):
+        if isinstance(m, dict) and isinstance(m.get("content"), list):
+            texts = []
+            for j, part in enumerate(m["content"]):
+                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                    kind = part.get("type") if isinstance(part, dict) else _json_type(part)
+                    raise APIError(f"messages[{i}].content[{j}]: only text parts are supported, got {kind!r}",
+                                   param="messages")
+                texts.append(part["text"])
+            m = {**m, "content": "\n".join(texts)}
+        out.append(m)
+    return out
+
+
+_SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
+
+
+def _param_named_in(message: str) -> str | None:
+    """SamplingParams' messages start with the field's name ("max_tokens: ...", "temperature must ...")."""
+    head = message.replace(":", " ").split(" ", 1)[0]
+    return head if head in _SAMPLING_FIELDS else None
+
+
+@dataclasses.dataclass
+class Options:
+    """How to answer, besides what to generate."""
+
+    stream: bool = False
+    include_usage: bool = False
+    return_token_ids: bool = False
+
+
+def sampling_params(body: dict[str, Any], *, chat: bool, max_model_len: int) -> tuple[SamplingParams, Options]:
+    """OpenAI (and vLLM extra) fields -> SamplingParams, Options. APIError names the offending field."""
+    n = _get(body, "n", int, 1)
+    if n != 1:
+        raise APIError(f"only n=1 is supported, got n={n}: send several requests for several samples", param="n")
+    if _get(body, "best_of", int, 1) != 1:
+        raise APIError("best_of is not supported (only 1)", param="best_of")
+    for name in ("echo", "include_stop_str_in_output"):
+        if _get(body, name, bool, False):
+            raise APIError(f"`{name}` is not supported by this server", param=name)
+    if _get(body, "suffix", str):
+        raise APIError("`suffix` is not supported by this server", param="suffix")
+    if _get(body, "logit_bias", dict):
+        raise APIError("`logit_bias` is not supported by this server", param="logit_bias")
+    fmt = _get(body, "response_format", dict)
+    if fmt is not None and fmt.get("type") not in (None, "text"):
+        raise APIError("`response_format` other than text (JSON mode, schemas) is not supported",
+                       param="response_format")
+
+    if chat:
+        max_tokens = _get(body, "max_completion_tokens", int)
+        if max_tokens is None:
+            max_tokens = _get(body, "max_tokens", int)
+        if max_tokens is None:
+            max_tokens = max_model_len  # OpenAI's chat default: until done; the engine clamps to the model length
+        want_logprobs = _get(body, "logprobs", bool, False)
+        top = _get(body, "top_logprobs", int)
+        if top is not None and not want_logprobs:
+            raise APIError("`top_logprobs` needs `logprobs: true`", param="top_logprobs")
+        logprobs = (top or 0) if want_logprobs else None
+    else:
+        max_tokens = _get(body, "max_tokens", int, 16)  # OpenAI's completions default
+        logprobs = _get(body, "logprobs", int)
+
+    stop = body.get("stop")
+    if stop is not None and not (isinstance(stop, str) or (isinstance(stop, list)
+                                                           and all(isinstance(s, str) for s in stop))):
+        raise APIError(f"`stop` must be a string or an array of strings, got {_json_type(stop)}", param="stop")
+    stop_ids = body.get("stop_token_ids")
+    if stop_ids is not None and not _int_list(stop_ids):
+        raise APIError("`stop_token_ids` must be an array of integers", param="stop_token_ids")
+
+    stream = _get(body, "stream", bool, False)
+    stream_options = _get(body, "stream_options", dict)
+    if stream_options is not None and not stream:
+        raise APIError("`stream_options` is only allowed with `stream: true`", param="stream_options")
+    include_usage = _get(stream_options or {}, "include_usage", bool, False)
+    kwargs: dict[str, Any] = {
+        "max_tokens": max_tokens,
+        "temperature": _get(body, "temperature", float, 1.0),
+        "top_p": _get(body, "top_p", float, 1.0),
+        "top_k": _get(body, "top_k", int, 0),
+        "min_p": _get(body, "min_p", float, 0.0),
+        "seed": _get(body, "seed", int),
+        "stop": stop or None,
+        "stop_token_ids": stop_ids,
+        "ignore_eos": _get(body, "ignore_eos", bool, False),
+        "logprobs": logprobs,
+        "repetition_penalty": _get(body, "repetition_penalty", float, 1.0),
+        "presence_penalty": _get(body, "presence_penalty", float, 0.0),
+        "frequency_penalty": _get(body, "frequency_penalty", float, 0.0),
+        "skip_special_tokens": _get(body, "skip_special_tokens", bool, True),
+    }
+    try:
+        params = SamplingParams(**kwargs)
+    except ValueError as e:
+        param = _param_named_in(str(e))
+        if param == "max_tokens" and chat and body.get("max_completion_tokens") is not None:
+            param = "max_completion_tokens"
+        raise APIError(str(e), param=param) from None
+    return params, Options(stream, include_usage, _get(body, "return_token_ids", bool, False))
+
+
+# ---- responses -----------------------------------------------------------------------------------------------
+
+
+def _dumps(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def _usage(out: RequestOutput) -> dict[str, int]:
+    p, c = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+class _Answer:
+    """Builds the OpenAI objects of one request, streaming or not (completions or chat)."""
+
+    def __init__(self, server: HttpServer, stream: RequestStream, chat: bool, options: Options):
+        self.server, self.chat, self.options = server, chat, options
+        self.id = stream.request_id
+        self.created = int(time.time())
+        self.object = "chat.completion" if chat else "text_completion"
+        self.sent_logprobs = 0
+        self.text_offset = 0
+
+    def _logprobs(self, entries: list[Logprob]) -> dict[str, Any]:
+        tok = self.server.token_str
+        if self.chat:
+            return {"content": [{
+                "token": tok(e.token_id), "logprob": e.logprob, "bytes": list(tok(e.token_id).encode()),
+                "top_logprobs": [{"token": tok(t), "logprob": v, "bytes": list(tok(t).encode())}
+                                 for t, v in e.top.items()],
+            } for e in entries]}
+        offsets = []
+        for e in entries:
+            offsets.append(self.text_offset)
+            self.text_offset += len(tok(e.token_id))
+        return {"tokens": [tok(e.token_id) for e in entries], "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [{tok(t): v for t, v in e.top.items()} for e in entries], "text_offset": offsets}
+
+    def _choice(self, out: RequestOutput, text: str, token_ids: list[int], first: bool,
+                stream: bool) -> dict[str, Any]:
+        c = out.outputs[0]
+        entries = (c.logprobs or [])[self.sent_logprobs:] if c.logprobs is not None else None
+        self.sent_logprobs = len(c.logprobs or ())
+        choice: dict[str, Any] = {"index": 0}
+        if self.chat and stream:
+            choice["delta"] = {"content": text}
+        elif self.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        choice["logprobs"] = self._logprobs(entries) if entries is not None else None
+        choice["finish_reason"] = c.finish_reason if out.finished else None
+        choice["stop_reason"] = c.stop_reason if out.finished else None
+        if self.options.return_token_ids:
+            choice["token_ids"] = token_ids
+            if first:
+                choice["prompt_token_ids"] = out.prompt_token_ids
+        return choice
+
+    def _envelope(self, choices: list[dict[str, Any]], stream: bool) -> dict[str, Any]:
+        return {"id": self.id, "object": self.object + (".chunk" if stream and self.chat else ""),
+                "created": self.created, "model": self.server.core.model_name, "choices": choices}
+
+    def full(self, out: RequestOutput) -> dict[str, Any]:
+        c = out.outputs[0]
+        body = self._envelope([self._choice(out, c.text, c.token_ids, True, stream=False)], stream=False)
+        body["usage"] = _usage(out)
+        return body
+
+    def role_chunk(self) -> dict[str, Any]:
+        chunk = self._envelope([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                 "finish_reason": None}], stream=True)
+        if self.options.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def chunk(self, out: RequestOutput, first: bool) -> dict[str, Any]:
+        chunk = self._envelope([self._choice(out, out.delta_text, out.delta_token_ids, first, stream=True)],
+                               stream=True)
+        if self.options.include_usage:
+            chunk["usage"] = None  # OpenAI: every chunk has the field; only the last one fills it
+        return chunk
+
+    def usage_chunk(self, out: RequestOutput) -> dict[str, Any]:
+        chunk = self._envelope([], stream=True)
+        chunk["usage"] = _usage(out)
+        return chunk
+
+
+# ---- the server ----------------------------------------------------------------------------------------------
+
+
+class HttpServer:
+    def __init__(self, core: ServingCore, shutdown_timeout: float = 30.0):
+        self.core = core
+        self.shutdown_timeout = shutdown_timeout
+        self.app = web.Application(middlewares=[self._errors, self._auth], client_max_size=MAX_BODY_BYTES)
+        self.app.add_routes([
+            web.post("/v1/completions", self.completions),
+            web.post("/v1/chat/completions", self.chat_completions),
+            web.get("/v1/models", self.models),
+            web.get("/health", self.health),
+            web.get("/metrics", self.metrics),
+        ])
+        self.runner: web.AppRunner | None = None
+        self.token_str = functools.lru_cache(maxsize=1 << 16)(self._token_str)
+
+    async def start(self, host: str, port: int) -> int:
+        """Bind and start; returns the bound port (port 0 = any free one)."""
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.create_server((host, port), family=family)
+        # handler_cancellation: a client that disconnects cancels its handler at once, which aborts its engine
+        # request, instead of the request running on until its next write fails.
+        self.runner = web.AppRunner(self.app, handler_cancellation=True, shutdown_timeout=self.shutdown_timeout,
+                                    access_log=None)
+        await self.runner.setup()
+        await web.SockSite(self.runner, sock).start()
+        return int(sock.getsockname()[1])
+
+    async def stop(self) -> None:
+        """Stop accepting; in-flight handlers get `shutdown_timeout` seconds, then are cancelled."""
+        if self.runner is not None:
+            await self.runner.cleanup()
+
+    def _token_str(self, token_id: int) -> str:
+        tok = self.core.tokenizer
+        return tok.decode([token_id], skip_special_tokens=False) if tok is not None else f"token_id:{token_id}"
+
+    # -- middlewares --
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except APIError as e:
+            return e.response()
+        except web.HTTPException as e:  # unknown route, wrong method, body too large: same error shape
+            if e.status < 400:
+                raise
+            kind = "not_found_error" if e.status == 404 else "invalid_request_error"
+            return APIError(f"{request.method} {request.path}: {e.reason}", e.status, kind).response()
+        except Exception:  # noqa: BLE001 - one request's failure must not take the connection's error shape
+            log.exception("unhandled error in %s %s", request.method, request.path)
+            return APIError("internal server error", 500, "internal_server_error").response()
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        # /health and /metrics stay open (probes, scrapers); the API itself needs the key when one is set.
+        if request.path.startswith("/v1/") and not self.core.check_api_key(request.headers.get("Authorization")):
+            raise APIError("missing or wrong API key: send `Authorization: Bearer <key>`", 401,
+                           "authentication_error", code="invalid_api_key")
+        return await handler(request)
+
+    # -- routes --
+
+    async def health(self, request: web.Request) -> web.Response:
+        if self.core.draining:
+            return web.json_response({"status": "shutting down"}, status=503)
+        return web.json_response({"status": "ok"})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        resp = web.Response(body=self.core.metrics.render())
+        resp.headers["Content-Type"] = METRICS_CONTENT_TYPE
+        return resp
+
+    async def models(self, request: web.Request) -> web.Response:
+        info = self.core.model_info()
+        card = {"id": self.core.model_name, "object": "model", "created": int(self.core.started),
+                "owned_by": "m3jax", "root": self.core.model_path, "parent": None,
+                "max_model_len": info["max_model_len"], "m3jax": info}
+        return web.json_response({"object": "list", "data": [card]})
+
+    def _check_model(self, body: dict[str, Any]) -> None:
+        model = _get(body, "model", str)
+        if model is not None and model != self.core.model_name:
+            raise APIError(f"The model `{model}` does not exist; this server serves `{self.core.model_name}`",
+                           404, "invalid_request_error", param="model", code="model_not_found")
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = parse_body(await request.read())
+        self._check_model(body)
+        prompt = completion_prompt(body.get("prompt"))
+        params, options = sampling_params(body, chat=False, max_model_len=self.core.engine.max_model_len)
+        return await self._run(request, prompt, params, options, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        body = parse_body(await request.read())
+        self._check_model(body)
+        messages = chat_messages(body.get("messages"))
+        params, options = sampling_params(body, chat=True, max_model_len=self.core.engine.max_model_len)
+        template_kwargs = _get(body, "chat_template_kwargs", dict, {})
+        tools = _get(body, "tools", list)
+        try:
+            prompt = self.core.encode_chat(messages, add_generation_prompt=_get(body, "add_generation_prompt",
+                                                                               bool, True),
+                                           tools=tools, **template_kwargs)
+        except (ValueError, TypeError) as e:
+            raise APIError(str(e), param="messages") from None
+        return await self._run(request, prompt, params, options, chat=True)
+
+    async def _run(self, request: web.Request, prompt: Prompt, params: SamplingParams, options: Options,
+                   chat: bool) -> web.StreamResponse:
+        try:
+            stream = self.core.open(prompt, params, "http", prefix="chatcmpl" if chat else "cmpl")
+        except Overloaded as e:
+            raise APIError(str(e), 429, "rate_limit_error", code="server_overloaded") from None
+        except ShuttingDown as e:
+            raise APIError(str(e), 503, "service_unavailable", code="shutting_down") from None
+        async with stream:
+            try:
+                # The first output: tokenising and validating happen here, so a bad prompt is still a 400 (the
+                # SSE headers are not sent before it).
+                first = await anext(stream)
+            except ValueError as e:
+                raise APIError(str(e), param="messages" if chat else "prompt") from None
+            except RuntimeError as e:
+                raise APIError(f"generation failed: {e}", 500, "internal_server_error") from None
+            answer = _Answer(self, stream, chat, options)
+            if not options.stream:
+                last = first
+                try:
+                    async for out in stream:
+                        last = out
+                except RuntimeError as e:
+                    raise APIError(f"generation failed: {e}", 500, "internal_server_error") from None
+                return web.json_response(answer.full(last), dumps=lambda o: _dumps(o).decode())
+            return await self._sse(request, stream, answer, first, chat, options)
+
+    async def _sse(self, request: web.Request, stream: RequestStream, answer: _Answer, first: RequestOutput,
+                   chat: bool, options: Options) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           "X-Request-Id": stream.request_id})
+        await resp.prepare(request)
+
+        async def send(obj: Any) -> None:
+            await resp.write(b"data: " + _dumps(obj) + b"\n\n")
+
+        last = first
+        try:
+            if chat:
+                await send(answer.role_chunk())
+            await send(answer.chunk(first, first=True))
+            async for out in stream:
+                last = out
+                await send(answer.chunk(out, first=False))
+            if options.include_usage:
+                await send(answer.usage_chunk(last))
+        except RuntimeError as e:
+            # Headers are gone: the error travels in the stream, as vLLM and OpenAI send it.
+            await send(APIError(f"generation failed: {e}", 500, "internal_server_error").body())
+        except ConnectionError:
+            return resp  # the client went away: leaving the `async with` aborts the request
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp

@@ -1,0 +1,123 @@
+"""`m3jax serve` as a real subprocess on loopback, for the server tests.
+
+Every server test module starts one server (module-scoped fixture) with the same small engine settings, so that
+the shapes compiled by the first start are reused by the next ones from the persistent compilation cache
+(M3JAX_COMPILATION_CACHE, a shared temp directory unless already set).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+# Small enough to compile quickly on 2 CPU cores; the same in every module so the compiled shapes are shared.
+ENGINE_ARGS = ["--dtype", "float32", "--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--max-model-len", "256"]
+START_TIMEOUT = float(os.environ.get("M3JAX_TEST_SERVER_START_TIMEOUT", "900"))  # a cold compile on a slow CI box
+
+
+def model_args(base_temp: Path) -> list[str]:
+    """No --model (the embedded checkpoint) when it is there; else a synthetic tiny checkpoint, made once."""
+    from m3jax.api import embedded_model_path
+
+    if (embedded_model_path() / "config.json").is_file():
+        return []
+    path = base_temp / "tiny-checkpoint"
+    if not (path / "config.json").is_file():
+        from checkpoints import make_tiny_checkpoint
+
+        make_tiny_checkpoint(path)
+    return ["--model", str(path)]
+
+
+class ServerProcess:
+    def __init__(self, extra_args: list[str], log_path: Path, env: dict[str, str] | None = None):
+        cmd = [sys.executable, "-m", "m3jax", "serve", "--grpc-port", "0", "--http-port", "0", *ENGINE_ARGS,
+               *extra_args]
+        full_env = {**os.environ, **(env or {})}
+        full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), full_env.get("PYTHONPATH")]))
+        full_env.setdefault("JAX_PLATFORMS", "cpu")
+        full_env.setdefault("M3JAX_NO_PROGRESS", "1")
+        full_env.setdefault("M3JAX_COMPILATION_CACHE", str(Path(tempfile.gettempdir()) / "m3jax-test-xla-cache"))
+        self.log_path = log_path
+        self._log = open(log_path, "w")  # noqa: SIM115 - lives as long as the process
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=self._log,
+                                     text=True)
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read_stdout, daemon=True).start()
+        self.grpc_port, self.http_port, self.model = self._wait_ready()
+        self.grpc_target = f"127.0.0.1:{self.grpc_port}"
+        self.http_url = f"http://127.0.0.1:{self.http_port}"
+
+    def _read_stdout(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._lines.put(line)
+        self._lines.put(None)
+
+    def _wait_ready(self) -> tuple[int, int, str]:
+        deadline = time.monotonic() + START_TIMEOUT
+        while time.monotonic() < deadline:
+            try:
+                line = self._lines.get(timeout=1.0)
+            except queue.Empty:
+                continue
+            if line is None:
+                break
+            m = re.search(r"ready: grpc=\S+:(\d+) http=http://\S+:(\d+) model=(\S+)", line)
+            if m:
+                return int(m.group(1)), int(m.group(2)), m.group(3)
+        self.kill()
+        raise RuntimeError(f"the server did not start; its log ends:\n{self.log_tail()}")
+
+    def log_tail(self, n: int = 4000) -> str:
+        if not self._log.closed:
+            self._log.flush()
+        return self.log_path.read_text()[-n:]
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            self._log.close()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(30)
+
+
+def scrape(http_url: str, headers: dict[str, str] | None = None) -> dict[str, float]:
+    """/metrics as {name{labels}: value}."""
+    req = urllib.request.Request(http_url + "/metrics", headers=headers or {})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        text = resp.read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
+def wait_idle(http_url: str, timeout: float = 60.0) -> dict[str, float]:
+    """Poll /metrics until nothing is queued, running, admitted or holding pages; returns the last scrape."""
+    keys = ("m3jax_requests_in_flight", "m3jax_num_requests_running", "m3jax_num_requests_waiting",
+            "m3jax_kv_pages_in_use")
+    deadline = time.monotonic() + timeout
+    while True:
+        m = scrape(http_url)
+        if all(m[k] == 0 for k in keys) or time.monotonic() > deadline:
+            return m
+        time.sleep(0.1)

@@ -1,0 +1,310 @@
+"""MoE kernels vs the ragged_dot reference at M3 shapes (128 experts + shared, 6144 -> 3072, top-4).
+
+For each token count T and weight format (bf16, MXFP8, MXFP4) it checks the Pallas path against the reference
+run on the same (dequantised) weights, then times both with the same routing (median over repetitions after
+warm-up; several inputs rotated; routing from a random fp32 router, so about 1 - (1 - 4/128)^T of the experts
+are touched). The timed op is the MoE given the routing: sort-and-pad + two kernels + combine, against sort +
+three ragged_dots + scatter-add + the shared expert's dense MLP.
+
+Floor: max(touched expert bytes / HBM bandwidth, FLOPs / bf16 peak) with touched = distinct routed experts + the
+shared one, FLOPs = 2 * T * (k + 1) * 3 * D * F. After the main table, a sweep of tile candidates per regime
+(deadline-bounded) shows which table entry wins; `--sweep 0` skips it.
+
+    PYTHONPATH=. python benchmarks/bench_moe.py --out benchmarks/results/moe-h200.json
+    PYTHONPATH=. python benchmarks/bench_moe.py --tiny --interpret --tokens 3 17   # CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.moe import kernel, layout, reference
+from pallas_kernels.moe.tiles import INTERPRET_TILES, KernelTiles, MoeTiles, pick_tiles, regime
+
+FORMATS = {"bf16": "dense", "mxfp8": "mxfp8", "mxfp4": "mxfp4"}
+SCALING, ALPHA, LIMIT = 2.0, 1.702, 7.0
+T0 = time.perf_counter()
+
+
+def candidates(T: int, fmt: str) -> list[MoeTiles]:
+    """Tile candidates to sweep besides the table's entry (all spill-free in an offline sm_90 build)."""
+    k = KernelTiles
+    base = pick_tiles(T, fmt)
+    reg = regime(T)
+    out: list[MoeTiles] = []
+    if fmt != "dense":
+        out.append(base.replace(mx_mode="subdot") if reg != "prefill" else None)
+    if reg == "decode" and fmt != "dense":
+        out.append(base.replace(gu=k(64, 128, 8, 4), dn=k(128, 128, 8, 4)))  # more warps to hide dequant latency
+    if reg == "decode":
+        out += [base.replace(gu=k(32, 128, 4, 4), dn=k(64, 128, 4, 4)) if T <= 8 else
+                base.replace(gu=k(128, 128, 4, 4), dn=k(128, 128, 4, 4)),
+                base.replace(gu=k(64, 256, 4, 3), dn=k(128, 256, 4, 3)),
+                base.replace(gu=k(64, 64, 4, 6), dn=k(128, 64, 4, 6))]
+    elif reg == "mid":
+        out += [base.replace(bm=32) if base.bm != 32 else base.replace(bm=64),
+                base.replace(bm=16, group=16),
+                pick_tiles(8192, fmt).replace(regime="mid")]
+    else:
+        out += [base.replace(bm=64, gu=k(64, 64 if fmt != "mxfp4" else 128, 4, 4), dn=k(128, 64, 4, 4)),
+                base.replace(group=32)]
+        if fmt == "dense":
+            out += [base.replace(gu=k(128, 64, 8, 3), dn=k(128, 64, 8, 3)),
+                    base.replace(gu=k(64, 64, 8, 4), dn=k(128, 64, 8, 4))]
+        else:
+            out += [base.replace(gu=k(64, 128, 8, 3), dn=k(128, 128, 8, 3))]
+    return [c for c in out if c is not None]
+
+
+def tiles_dict(t: MoeTiles) -> dict[str, Any]:
+    return dataclasses.asdict(t)
+
+
+def log(msg: str) -> None:
+    print(f"[{time.perf_counter() - T0:7.1f}s] {msg}", flush=True)
+
+
+def bench(fn, inputs: list[tuple], *, target_s: float = 0.03, reps: int = 5) -> float:
+    """Median over `reps` of the mean time of back-to-back calls (async dispatch keeps the device busy)."""
+    jax.block_until_ready(fn(*inputs[0]))
+    t = time.perf_counter()
+    jax.block_until_ready(fn(*inputs[1 % len(inputs)]))
+    est = time.perf_counter() - t
+    iters = int(min(50, max(1, target_s / max(est, 1e-6))))
+    if est > 0.2:
+        reps = 3
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        out = None
+        for i in range(iters):
+            out = fn(*inputs[i % len(inputs)])
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t) / iters)
+    return statistics.median(times)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
+def make_weights(key: jax.Array, E: int, D: int, F: int, dtype: jnp.dtype) -> dict:
+    ks = jax.random.split(key, 5)
+    return {
+        "router": jax.random.normal(ks[0], (D, E), jnp.float32) / np.sqrt(D),
+        "router_bias": 0.05 * jax.random.normal(ks[1], (E,), jnp.float32),
+        # Dense stacked [E + 1, K, N]: slot E is the shared expert (same width as a routed one in M3).
+        "dense": {
+            "gate": (jax.random.normal(ks[2], (E + 1, D, F), jnp.float32) / np.sqrt(D)).astype(dtype),
+            "up": (jax.random.normal(ks[3], (E + 1, D, F), jnp.float32) / np.sqrt(D)).astype(dtype),
+            "down": (jax.random.normal(ks[4], (E + 1, F, D), jnp.float32) / np.sqrt(F)).astype(dtype),
+        },
+    }
+
+
+def git_rev() -> str:
+    if os.environ.get("M3JAX_GIT_REV"):
+        return os.environ["M3JAX_GIT_REV"]
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True).stdout.strip()
+        return rev + ("-dirty" if dirty else "")
+    except OSError:
+        return "unknown"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 32, 128, 512, 2048, 8192])
+    ap.add_argument("--formats", nargs="+", default=["bf16", "mxfp8", "mxfp4"])
+    ap.add_argument("--tiny", action="store_true", help="tiny shapes (E=8, D=256, F=128) for a CPU smoke run")
+    ap.add_argument("--interpret", action="store_true")
+    ap.add_argument("--skip-main", nargs="*", default=[], help="formats to sweep only (no main table)")
+    ap.add_argument("--sweep", type=int, default=1, help="1: time the tile candidates of each regime")
+    ap.add_argument("--deadline", type=float, default=1e9, help="seconds; skip remaining work after it")
+    ap.add_argument("--ref-time-max-tokens", type=int, default=1 << 30,
+                    help="time the ragged_dot reference only up to this T (it takes 0.6 s a call at 8192)")
+    ap.add_argument("--hbm-tbps", type=float, default=4.3)
+    ap.add_argument("--peak-tflops", type=float, default=790.0)
+    ap.add_argument("--out", default="benchmarks/results/moe-h200.json")
+    args = ap.parse_args()
+
+    E, D, F, K = (8, 256, 128, 2) if args.tiny else (128, 6144, 3072, 4)
+    dt = jnp.float32 if args.interpret else jnp.bfloat16
+    dev = jax.devices()[0]
+    device = f"{dev.device_kind} ({jax.default_backend()})"
+    rev = git_rev()
+    w = make_weights(jax.random.PRNGKey(0), E, D, F, dt)
+    jax.block_until_ready(w)
+    log(f"weights ready on {device}, jax {jax.__version__}, rev {rev}")
+    slot_bytes = {"bf16": 3 * D * F * 2, "mxfp8": 3 * D * F * (1 + 1 / 32), "mxfp4": 3 * D * F * (0.5 + 1 / 32)}
+    results: list[dict[str, Any]] = []
+    out_path = Path(args.out)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:
+        out_path.write_text(json.dumps(results, indent=1) + "\n")
+
+    route = jax.jit(functools.partial(reference.route, top_k=K))
+    inputs: dict[int, list[tuple]] = {}
+    touched: dict[int, int] = {}
+    for T in args.tokens:
+        hs = [jax.random.normal(jax.random.PRNGKey(100 + T * 7 + i), (T, D), jnp.float32).astype(dt) for i in range(3)]
+        inputs[T] = [(h, *route(h, w["router"], w["router_bias"])) for h in hs]
+        touched[T] = int(np.mean([len(np.unique(np.asarray(i))) for _, i, _ in inputs[T]])) + 1
+
+    @functools.partial(jax.jit, static_argnames=("tiles",))
+    def run_kernel(h, idx, wts, experts, tiles):
+        return kernel.routed_experts_pallas(h, idx, wts, experts, shared_slot=True, routed_scaling=SCALING,
+                                            alpha=ALPHA, limit=LIMIT, tiles=tiles, interpret=args.interpret)
+
+    @jax.jit
+    def run_reference(h, idx, wts, rp):
+        out = reference.routed_experts(h, idx, wts, rp["w_gate"], rp["w_up"], rp["w_down"], alpha=ALPHA,
+                                       limit=LIMIT) * SCALING
+        s = rp["shared"]
+        return out + reference.dense_mlp(h, s["w_gate"], s["w_up"], s["w_down"], alpha=ALPHA, limit=LIMIT)
+
+    def floor(T: int, fmt: str) -> float:
+        flops = 2 * T * (K + 1) * 3 * D * F
+        byts = touched[T] * slot_bytes[fmt] + 2 * T * D * 2
+        return max(byts / (args.hbm_tbps * 1e12), flops / (args.peak_tflops * 1e12))
+
+    def measure(T: int, fmt: str, experts: dict, rp: dict | None, tiles: MoeTiles, ref_time: float | None,
+                op: str) -> dict[str, Any]:
+        rec: dict[str, Any] = {"op": op, "shape": {"T": T, "E": E, "D": D, "F": F, "top_k": K, "shared": 1},
+                               "dtype": fmt, "tiles": tiles_dict(tiles), "device": device, "git_rev": rev,
+                               "jax": jax.__version__, "touched_slots": touched[T]}
+        fn = functools.partial(run_kernel, experts=experts, tiles=tiles)
+        try:
+            t = time.perf_counter()
+            got = jax.block_until_ready(fn(*inputs[T][0]))
+            rec["compile_s"] = time.perf_counter() - t
+            if rp is not None:
+                want = run_reference(*inputs[T][0], rp).astype(jnp.float32)
+                got32 = got.astype(jnp.float32)
+                rec["rel_err"] = float(jnp.linalg.norm(got32 - want) / jnp.linalg.norm(want))
+                rec["max_abs_err"] = float(jnp.max(jnp.abs(got32 - want)))
+                again = fn(*inputs[T][0])
+                rec["deterministic"] = bool(jnp.array_equal(got, again))
+                rec["finite"] = bool(jnp.all(jnp.isfinite(got32)))
+            rec["time_s"] = bench(fn, inputs[T])
+            rec["floor_s"] = floor(T, fmt)
+            rec["ratio"] = rec["time_s"] / rec["floor_s"]
+            rec["reference_time_s"] = ref_time
+            rec["speedup_vs_reference"] = ref_time / rec["time_s"] if ref_time else None
+            rec["weight_tbps"] = touched[T] * slot_bytes[fmt] / rec["time_s"] / 1e12
+            rec["tflops"] = 2 * T * (K + 1) * 3 * D * F / rec["time_s"] / 1e12
+        except Exception as e:  # one failing config must not lose the rest of the run
+            rec["error"] = f"{type(e).__name__}: {str(e)[:2000]}"
+            traceback.print_exc(limit=3)
+        results.append(rec)
+        save()
+        err = rec.get("error", "")[:200]
+        log(f"{op:12s} T={T:5d} {fmt:6s} bm={tiles.bm:3d} gu={tiles.gu.bn}/{tiles.gu.bk}/{tiles.gu.warps}/"
+            f"{tiles.gu.stages} dn={tiles.dn.bn}/{tiles.dn.bk}/{tiles.dn.warps}/{tiles.dn.stages} g={tiles.group} "
+            f"{tiles.mx_mode:6s} time={rec.get('time_s', 0) * 1e3:8.3f}ms ratio={rec.get('ratio', 0):5.2f} "
+            f"ref={(ref_time or 0) * 1e3:8.3f}ms err={rec.get('rel_err', -1):.2e} {err}")
+        return rec
+
+    ref_times: dict[int, float] = {}
+    experts_by_fmt: dict[str, dict] = {}
+    for name in args.formats:
+        fmt = FORMATS[name]
+        # jit: fused quantisation, no full-size float intermediates on the device.
+        experts = jax.block_until_ready(jax.jit(layout.quantize_experts, static_argnums=1)(w["dense"], fmt))
+        experts_by_fmt[name] = experts
+        if name in args.skip_main:
+            continue
+        # The reference computes with the same (dequantised) weights the kernel reads.
+        rp = jax.jit(layout.reference_params, static_argnums=1)(
+            {"router": w["router"], "router_bias": w["router_bias"], "experts": experts}, dt)
+        for T in args.tokens:
+            if time.perf_counter() - T0 > args.deadline:
+                log("deadline: skipping the rest of the main table")
+                break
+            if (name == "bf16" or T not in ref_times) and args.ref_time_max_tokens >= T:
+                try:
+                    jax.block_until_ready(run_reference(*inputs[T][0], rp))
+                    ref_times[T] = bench(functools.partial(run_reference, rp=rp), inputs[T])
+                except Exception as e:
+                    log(f"reference failed at T={T}: {e}")
+            tiles = INTERPRET_TILES if args.interpret else pick_tiles(T, fmt)
+            rec = measure(T, name, experts, rp, tiles, ref_times.get(T), "moe_experts")
+            if "error" in rec and fmt != "dense" and tiles.mx_mode == "expand":
+                measure(T, name, experts, rp, tiles.replace(mx_mode="subdot"), ref_times.get(T), "moe_experts")
+        del rp
+
+    # The two kernels alone (layout precomputed): what the glue (sort, gather, combine) adds at decode sizes.
+    @functools.partial(jax.jit, static_argnames=("tiles",))
+    def run_kernels_only(x_MD, slot_B, row_weight_M, experts, tiles):
+        act = kernel.gate_up(x_MD, slot_B, experts, tiles, alpha=ALPHA, limit=LIMIT, interpret=args.interpret)
+        return kernel.down(act, slot_B, row_weight_M, experts, tiles, interpret=args.interpret)
+
+    for T in [t for t in args.tokens if t <= 128]:
+        for name in [f for f in args.formats if f not in args.skip_main]:
+            if time.perf_counter() - T0 > args.deadline:
+                break
+            fmt = FORMATS[name]
+            tiles = INTERPRET_TILES if args.interpret else pick_tiles(T, fmt)
+            rec = {"op": "moe_kernels_only", "shape": {"T": T, "E": E, "D": D, "F": F, "top_k": K, "shared": 1},
+                   "dtype": name, "tiles": tiles_dict(tiles), "device": device, "git_rev": rev}
+            try:
+                sp = jax.jit(functools.partial(kernel.sort_and_pad, num_slots=E + 1, shared_slot=True, bm=tiles.bm,
+                                               routed_scaling=SCALING))
+                lay_inputs = []
+                for h, idx, wts in inputs[T]:
+                    lay = sp(idx, wts)
+                    lay_inputs.append((h[lay.row_token_M], lay.slot_B, lay.row_weight_M))
+                rec["time_s"] = bench(functools.partial(run_kernels_only, experts=experts_by_fmt[name], tiles=tiles),
+                                      lay_inputs)
+                rec["floor_s"] = floor(T, name)
+                rec["ratio"] = rec["time_s"] / rec["floor_s"]
+                rec["weight_tbps"] = touched[T] * slot_bytes[name] / rec["time_s"] / 1e12
+            except Exception as e:
+                rec["error"] = f"{type(e).__name__}: {str(e)[:2000]}"
+            results.append(rec)
+            save()
+            log(f"kernels only T={T:5d} {name:6s} time={rec.get('time_s', 0) * 1e3:8.3f}ms "
+                f"ratio={rec.get('ratio', 0):5.2f} {rec.get('error', '')[:200]}")
+
+    if args.sweep and not args.interpret:
+        sweep_fmts = [f for f in ("bf16", "mxfp8") if f in experts_by_fmt]
+        # Most telling first (the targets: decode and the largest prefill), so that a deadline cut loses the least.
+        order = [(1, "bf16"), (8192, "bf16"), (2048, "bf16"), (1, "mxfp8"), (8192, "mxfp8"), (32, "mxfp8"),
+                 (512, "bf16"), (128, "mxfp8"), (2048, "mxfp8"), (32, "bf16"), (128, "bf16"), (8, "bf16"),
+                 (512, "mxfp8"), (8, "mxfp8")]
+        order = [(T, f) for T, f in order if T in args.tokens and f in sweep_fmts]
+        plan = []
+        for T, name in order:
+            plan += [(T, name, c) for c in candidates(T, FORMATS[name])]
+        for T, name, c in plan:
+            if time.perf_counter() - T0 > args.deadline:
+                log("deadline: stopping the sweep")
+                break
+            measure(T, name, experts_by_fmt[name], None, c, ref_times.get(T), "moe_sweep")
+    save()
+    log(f"wrote {len(results)} records to {out_path}")
+    print("\n| T | dtype | time ms | floor ms | ratio | ragged_dot ms | speedup | rel err |")
+    for r in results:
+        if r["op"] == "moe_experts" and "time_s" in r:
+            print(f"| {r['shape']['T']} | {r['dtype']} | {r['time_s'] * 1e3:.3f} | {r['floor_s'] * 1e3:.3f} | "
+                  f"{r['ratio']:.2f} | {(r['reference_time_s'] or 0) * 1e3:.3f} | "
+                  f"{r['speedup_vs_reference'] or 0:.1f} | {r.get('rel_err', float('nan')):.1e} |")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

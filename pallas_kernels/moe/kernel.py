@@ -1,0 +1,300 @@
+"""Grouped-GEMM MoE in Pallas (Triton lowering on the GPU, `interpret=True` on the CPU).
+
+Data flow for T tokens, top-k routing, S expert slots (the shared expert, when stacked, is slot S-1 and every
+token visits it with weight 1):
+
+  route (fp32, the reference's `route`) -> sort_and_pad: the T*(k+1) (token, slot) pairs sorted by slot, each
+  slot's rows padded to the block height bm, so every row block belongs to exactly one slot
+  -> x_MD = h[row_token]                      (one XLA gather)
+  -> gate_up kernel: act_MF = SwiGLU-OAI(x @ W_gate[slot], x @ W_up[slot])   (both accumulators in one program)
+  -> down kernel:    y_MD = row_weight * (act @ W_down[slot])                  (routing weight in the epilogue)
+  -> combine: out[t] = sum of its k+1 rows of y  (one XLA gather-sum, fp32)
+
+Kernel grid: one axis of (row block x N tile) programs. Each program reads its row block's slot from
+`slot_B` (-1 for blocks past the last used one, which return at once), streams that slot's [K, bn] weight
+tiles (bf16, or MX bytes widened in registers), and writes only its own [bm, bn] output tile, so no two
+programs touch the same rows (gpu.md's race trap). Program ids run row blocks fastest within groups of
+`group` blocks, then N tiles: the programs in flight share weight tiles (blocks of one expert) and x tiles
+(prefill), so repeats hit L2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels import mx
+from pallas_kernels.moe import layout
+from pallas_kernels.moe.reference import dense_mlp, route
+from pallas_kernels.moe.tiles import KernelTiles, MoeTiles, fit_tiles, pick_tiles
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RowLayout:
+    """The sorted-and-padded rows of one MoE call (M = nb * bm rows, nb row blocks)."""
+
+    row_token_M: jax.Array  # token whose hidden state fills each row (0 for padding rows)
+    row_weight_M: jax.Array  # fp32 combine weight of each row: routing weight * routed_scaling, 1 for the
+    #                          shared slot, 0 for padding rows
+    slot_B: jax.Array  # expert slot of each row block; -1 past the last used block
+    dest_TJ: jax.Array  # the row of each (token, choice); choice k is the shared slot when it is stacked
+
+
+def max_row_blocks(num_rows: int, num_slots: int, bm: int) -> int:
+    """Static bound on the used row blocks: sum_s ceil(n_s / bm) <= ceil(R / bm) + S, and <= R (a used block
+    holds at least one row)."""
+    return min(num_rows, -(-num_rows // bm) + num_slots)
+
+
+def sort_and_pad(idx_TK: jax.Array, w_TK: jax.Array, *, num_slots: int, shared_slot: bool, bm: int,
+                 routed_scaling: float) -> RowLayout:
+    T = idx_TK.shape[0]
+    e_TJ = idx_TK.astype(jnp.int32)
+    w_TJ = w_TK.astype(jnp.float32) * routed_scaling
+    if shared_slot:
+        e_TJ = jnp.concatenate([e_TJ, jnp.full((T, 1), num_slots - 1, jnp.int32)], axis=1)
+        w_TJ = jnp.concatenate([w_TJ, jnp.ones((T, 1), jnp.float32)], axis=1)
+    J = e_TJ.shape[1]
+    R = T * J
+    flat_e = e_TJ.reshape(-1)
+    sizes_S = jnp.zeros(num_slots, jnp.int32).at[flat_e].add(1)
+    blocks_S = (sizes_S + bm - 1) // bm
+    bend_S = jnp.cumsum(blocks_S)
+    start_S = jnp.cumsum(sizes_S) - sizes_S
+    order_R = jnp.argsort(flat_e, stable=True)
+    e_sorted = flat_e[order_R]
+    dest_sorted = (bend_S - blocks_S)[e_sorted] * bm + jnp.arange(R, dtype=jnp.int32) - start_S[e_sorted]
+    dest_R = jnp.zeros(R, jnp.int32).at[order_R].set(dest_sorted, unique_indices=True)
+    nb = max_row_blocks(R, num_slots, bm)
+    M = nb * bm
+    row_token_M = jnp.zeros(M, jnp.int32).at[dest_R].set(jnp.arange(R, dtype=jnp.int32) // J,
+                                                           unique_indices=True)
+    row_weight_M = jnp.zeros(M, jnp.float32).at[dest_R].set(w_TJ.reshape(-1), unique_indices=True)
+    blocks = jnp.arange(nb, dtype=jnp.int32)
+    # compare_all: one vectorised compare instead of a loop (a GPU while loop syncs with the host per step).
+    slot_B = jnp.searchsorted(bend_S, blocks, side="right", method="compare_all").astype(jnp.int32)
+    slot_B = jnp.where(blocks < bend_S[-1], slot_B, -1)
+    return RowLayout(row_token_M, row_weight_M, slot_B, dest_R.reshape(T, J))
+
+
+# ---- in-kernel pieces ------------------------------------------------------------------------------------
+
+
+def _block_and_tile(nb: int, nt: int, group: int) -> tuple[jax.Array, jax.Array]:
+    """Program id -> (row block, N tile): row blocks fastest inside groups of `group`, then N tiles."""
+    pid = pl.program_id(0)
+    per_group = group * nt
+    first = (pid // per_group) * group
+    size = jnp.minimum(nb - first, group)
+    local = pid % per_group
+    return first + local % size, local // size
+
+
+def _expand_rows(s_RN: jax.Array, rep: int) -> jax.Array:
+    """[R, N] -> [R * rep, N], each row repeated `rep` times (a block scale over its 32 K rows)."""
+    r, n = s_RN.shape
+    return jnp.broadcast_to(s_RN[:, None, :], (r, rep, n)).reshape(r * rep, n)
+
+
+def _dot(x: jax.Array, w: jax.Array) -> jax.Array:
+    return jnp.dot(x, w, preferred_element_type=jnp.float32)
+
+
+def _mac(acc: jax.Array, x_ref, row0: jax.Array, k0: jax.Array, w_refs: tuple, slot: jax.Array,
+         col0: jax.Array, *, fmt: str, bm: int, bn: int, bk: int, mx_mode: str) -> jax.Array:
+    """acc += x[row0:row0+bm, k0:k0+bk] @ W[slot, k0:k0+bk, col0:col0+bn], W decoded from its format."""
+    cdt = x_ref.dtype
+    rows, cols = pl.ds(row0, bm), pl.ds(col0, bn)
+    if fmt == "dense":
+        return acc + _dot(x_ref[rows, pl.ds(k0, bk)], w_refs[0][slot, pl.ds(k0, bk), cols].astype(cdt))
+    # MX: word r of each 128-group of K holds element r (low half) and r + 64 (high half); layout.py.
+    q_ref, s_ref = w_refs
+    bits = 8 if fmt == "mxfp8" else 4
+    mask = (1 << bits) - 1
+    half = layout.MX_GROUP // 2
+    for g in range(bk // layout.MX_GROUP):
+        kg = k0 + g * layout.MX_GROUP
+        sb = kg // mx.BLOCK  # first scale row of the group
+        if mx_mode == "expand":
+            # Widen a whole [64, bn] half tile (scale broadcast over its 32-row blocks), then one dot.
+            word = q_ref[slot, pl.ds(kg // 2, half), cols].astype(jnp.int32)
+            for h, code in enumerate((word & mask, word >> bits)):
+                s = mx.e8m0_to_f32(s_ref[slot, pl.ds(sb + 2 * h, 2), cols])
+                w = (layout.decode_codes(code, fmt) * _expand_rows(s, mx.BLOCK)).astype(cdt)
+                acc = acc + _dot(x_ref[rows, pl.ds(kg + h * half, half)], w)
+        else:
+            # "subdot": widen straight to the compute dtype, one dot per 32-row scale block, scale its result.
+            for c in range(2):
+                word = q_ref[slot, pl.ds(kg // 2 + c * mx.BLOCK, mx.BLOCK), cols].astype(jnp.int32)
+                for h, code in enumerate((word & mask, word >> bits)):
+                    piece = 2 * h + c  # which 32-block of the group these K elements are
+                    s = mx.e8m0_to_f32(s_ref[slot, pl.ds(sb + piece, 1), cols])
+                    w = layout.decode_codes(code, fmt, cdt)
+                    acc = acc + _dot(x_ref[rows, pl.ds(kg + piece * mx.BLOCK, mx.BLOCK)], w) * s
+    return acc
+
+
+def _gate_up_kernel(slot_ref, x_ref, *refs, n_w: int, fmt: str, bm: int, kt: KernelTiles, nb: int, nt: int,
+                    group: int, mx_mode: str, alpha: float, limit: float):
+    g_refs, u_refs, o_ref = refs[:n_w], refs[n_w:2 * n_w], refs[2 * n_w]
+    b, j = _block_and_tile(nb, nt, group)
+    slot = slot_ref[b]
+
+    @pl.when(slot >= 0)
+    def _():
+        row0 = pl.multiple_of(b * bm, bm)
+        n0 = pl.multiple_of(j * kt.bn, kt.bn)
+        mac = functools.partial(_mac, x_ref=x_ref, row0=row0, slot=slot, col0=n0, fmt=fmt, bm=bm, bn=kt.bn,
+                                bk=kt.bk, mx_mode=mx_mode)
+
+        def step(i, accs):
+            k0 = pl.multiple_of(i * kt.bk, kt.bk)
+            return mac(accs[0], k0=k0, w_refs=g_refs), mac(accs[1], k0=k0, w_refs=u_refs)
+
+        zeros = jnp.zeros((bm, kt.bn), jnp.float32)
+        gate, up = jax.lax.fori_loop(0, x_ref.shape[1] // kt.bk, step, (zeros, zeros))
+        # SwiGLU-OAI on the fp32 accumulators: gate clamped from above only, up on both sides, up + 1.
+        gate = jnp.minimum(gate, limit)
+        up = jnp.clip(up, -limit, limit)
+        act = (up + 1.0) * (gate * jax.nn.sigmoid(gate * alpha))
+        o_ref[pl.ds(row0, bm), pl.ds(n0, kt.bn)] = act.astype(o_ref.dtype)
+
+
+def _down_kernel(slot_ref, rw_ref, a_ref, *refs, fmt: str, bm: int, kt: KernelTiles, nb: int, nt: int,
+                 group: int, mx_mode: str):
+    w_refs, o_ref = refs[:-1], refs[-1]
+    b, j = _block_and_tile(nb, nt, group)
+    slot = slot_ref[b]
+
+    @pl.when(slot >= 0)
+    def _():
+        row0 = pl.multiple_of(b * bm, bm)
+        n0 = pl.multiple_of(j * kt.bn, kt.bn)
+
+        def step(i, acc):
+            k0 = pl.multiple_of(i * kt.bk, kt.bk)
+            return _mac(acc, a_ref, row0, k0, w_refs, slot, n0, fmt=fmt, bm=bm, bn=kt.bn, bk=kt.bk,
+                        mx_mode=mx_mode)
+
+        acc = jax.lax.fori_loop(0, a_ref.shape[1] // kt.bk, step, jnp.zeros((bm, kt.bn), jnp.float32))
+        # The combine weight (routing weight * routed_scaling; 1 for the shared slot) is applied here, in fp32.
+        rw = rw_ref[pl.ds(row0, bm)]
+        o_ref[pl.ds(row0, bm), pl.ds(n0, kt.bn)] = (acc * rw[:, None]).astype(o_ref.dtype)
+
+
+def _check_offsets(*arrays: jax.Array) -> None:
+    """Pallas' Triton lowering indexes an array of at most 4 GiB with 32-bit element offsets, which wrap past
+    2^31 elements: reads land outside the array (seen on the H200 with a 2.4e9-element fp8 array: NaNs).
+    Refuse such arrays rather than compute garbage."""
+    for a in arrays:
+        if a.size >= 2**31 and a.size * a.dtype.itemsize <= 2**32:
+            raise ValueError(f"array {a.shape} {a.dtype}: {a.size} elements overflow Pallas' 32-bit offsets")
+
+
+def _check_tiles(bm: int, kt: KernelTiles, k: int, n: int, fmt: str) -> None:
+    assert k % kt.bk == 0 and n % kt.bn == 0, f"tiles bk={kt.bk}, bn={kt.bn} must divide K={k}, N={n}"
+    assert kt.bk % layout.MX_GROUP == 0 or fmt == "dense", "MX tiles need bk a multiple of 128 (pair packing)"
+
+
+def gate_up(x_MD: jax.Array, slot_B: jax.Array, experts: dict, tiles: MoeTiles, *, alpha: float, limit: float,
+            interpret: bool = False) -> jax.Array:
+    """act [M, F] = SwiGLU-OAI(x @ gate[slot], x @ up[slot]) per row block."""
+    fmt = layout.weight_format(experts)
+    g_arrays, u_arrays = layout.weight_arrays(experts, "gate"), layout.weight_arrays(experts, "up")
+    M, D = x_MD.shape
+    F = g_arrays[0].shape[-1]
+    kt, nb = tiles.gu, slot_B.shape[0]
+    _check_tiles(tiles.bm, kt, D, F, fmt)
+    _check_offsets(x_MD, *g_arrays, *u_arrays)
+    nt = F // kt.bn
+    kernel = functools.partial(_gate_up_kernel, n_w=len(g_arrays), fmt=fmt, bm=tiles.bm, kt=kt, nb=nb, nt=nt,
+                               group=min(tiles.group, nb), mx_mode=tiles.mx_mode, alpha=alpha, limit=limit)
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((M, F), x_MD.dtype),
+        grid=(nb * nt,),
+        compiler_params=pltriton.CompilerParams(num_warps=kt.warps, num_stages=kt.stages),
+        interpret=interpret,
+        name=f"moe_gate_up_{fmt}",
+    )(slot_B, x_MD, *g_arrays, *u_arrays)
+
+
+def down(act_MF: jax.Array, slot_B: jax.Array, row_weight_M: jax.Array, experts: dict, tiles: MoeTiles, *,
+         interpret: bool = False) -> jax.Array:
+    """y [M, D] = row_weight * (act @ down[slot]) per row block."""
+    fmt = layout.weight_format(experts)
+    w_arrays = layout.weight_arrays(experts, "down")
+    M, F = act_MF.shape
+    D = w_arrays[0].shape[-1]
+    kt, nb = tiles.dn, slot_B.shape[0]
+    _check_tiles(tiles.bm, kt, F, D, fmt)
+    _check_offsets(act_MF, *w_arrays)
+    nt = D // kt.bn
+    kernel = functools.partial(_down_kernel, fmt=fmt, bm=tiles.bm, kt=kt, nb=nb, nt=nt,
+                               group=min(tiles.group, nb), mx_mode=tiles.mx_mode)
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((M, D), act_MF.dtype),
+        grid=(nb * nt,),
+        compiler_params=pltriton.CompilerParams(num_warps=kt.warps, num_stages=kt.stages),
+        interpret=interpret,
+        name=f"moe_down_{fmt}",
+    )(slot_B, row_weight_M, act_MF, *w_arrays)
+
+
+def experts_of(p: dict) -> tuple[dict, bool]:
+    """(the expert arrays the kernels read, whether the shared expert is their last slot)."""
+    if "experts" in p:
+        return p["experts"], layout.has_shared_slot(p)
+    # Unprepared params: the routed experts read in place (no copies); the shared expert stays a dense MLP.
+    return {"gate": p["w_gate"], "up": p["w_up"], "down": p["w_down"]}, False
+
+
+def kernel_tiles(num_tokens: int, experts: dict, *, tiles: MoeTiles | None = None,
+                 interpret: bool = False) -> MoeTiles | None:
+    """The tiles for this call (the table's, fitted to the shapes), or None when the kernels cannot run it."""
+    fmt = layout.weight_format(experts)
+    gate = layout.weight_arrays(experts, "gate")
+    d_model = gate[1].shape[1] * mx.BLOCK if fmt != "dense" else gate[0].shape[1]
+    d_ff = gate[0].shape[-1]
+    return fit_tiles(tiles or pick_tiles(num_tokens, fmt, interpret=interpret), d_model, d_ff, fmt)
+
+
+def routed_experts_pallas(h_TD: jax.Array, idx_TK: jax.Array, w_TK: jax.Array, experts: dict, *,
+                          shared_slot: bool, routed_scaling: float, alpha: float, limit: float,
+                          tiles: MoeTiles | None = None, interpret: bool = False) -> jax.Array:
+    """fp32 [T, D]: routed_scaling * sum_k w[t,k] Expert_idx(h[t]) (+ the shared slot's output, weight 1)."""
+    T = h_TD.shape[0]
+    fmt = layout.weight_format(experts)
+    tiles = kernel_tiles(T, experts, tiles=tiles, interpret=interpret)
+    if tiles is None:
+        raise ValueError(f"no MoE tile fits these expert shapes ({fmt}); use the reference")
+    lay = sort_and_pad(idx_TK, w_TK, num_slots=layout.num_slots(experts), shared_slot=shared_slot, bm=tiles.bm,
+                       routed_scaling=routed_scaling)
+    x_MD = h_TD[lay.row_token_M]
+    act_MF = gate_up(x_MD, lay.slot_B, experts, tiles, alpha=alpha, limit=limit, interpret=interpret)
+    y_MD = down(act_MF, lay.slot_B, lay.row_weight_M, experts, tiles, interpret=interpret)
+    # Each token's k (+1) rows, gathered and summed in fp32: rows are owned by one program each, so the
+    # combine needs no atomics and is deterministic.
+    return jnp.sum(y_MD[lay.dest_TJ].astype(jnp.float32), axis=1)
+
+
+def moe_pallas(h_TD: jax.Array, p: dict, *, top_k: int, routed_scaling: float, alpha: float, limit: float,
+               tiles: MoeTiles | None = None, interpret: bool = False) -> jax.Array:
+    """Same function as `reference.moe`. Uses `p["experts"]` (checkpoints/prepare.py) when present; otherwise
+    reads the params' own w_gate/w_up/w_down (no copies) and runs the shared expert through `dense_mlp`."""
+    experts, shared_slot = experts_of(p)
+    idx_TK, w_TK = route(h_TD, p["router"], p["router_bias"], top_k)
+    out = routed_experts_pallas(h_TD, idx_TK, w_TK, experts, shared_slot=shared_slot,
+                                routed_scaling=routed_scaling, alpha=alpha, limit=limit, tiles=tiles,
+                                interpret=interpret)
+    if "shared" in p and not shared_slot:
+        s = p["shared"]
+        out = out + dense_mlp(h_TD, s["w_gate"], s["w_up"], s["w_down"], alpha=alpha, limit=limit)
+    return out.astype(h_TD.dtype)

@@ -1,0 +1,160 @@
+"""Expert-weight layouts the MoE kernels read, built once at load time (checkpoints/prepare.py calls these).
+
+The prepared layout is a dict `p["experts"]` inside the MoE params, holding three matrices, gate / up
+`[S, D, F]` and down `[S, F, D]`, K-major like every m3jax matrix (`x @ w`). S = E routed experts plus,
+when the shared expert has the routed width, one more slot (index E) holding the shared expert, which the
+kernels then treat as an always-selected expert of weight 1. Per format:
+
+  dense   {"gate", "up", "down"}: float arrays (bf16 on the GPU).
+  mxfp8   {"gate_q8", "gate_s", ...}: uint16 `[S, K/2, N]` pairs of float8_e4m3fn bytes, E8M0 uint8 scales
+          `[S, K/32, N]`.
+  mxfp4   {"gate_q4", "gate_s", ...}: uint8 `[S, K/2, N]` pairs of E2M1 nibbles, E8M0 scales `[S, K/32, N]`.
+
+Pair packing (both MX formats): a checkpoint packs K neighbours (2i, 2i+1) into one byte (MXFP4), which a
+kernel would have to interleave back along K. Instead K is cut into groups of 128 and word r of a group holds
+elements r (low half) and r + 64 (high half), so a kernel step dots the low halves with x columns [0, 64) of
+the group and the high halves with columns [64, 128): contiguous loads, no shuffles, for every tile with bk a
+multiple of 128. MXFP8 is paired the same way, into 16-bit words, for a reason outside the format: Pallas'
+Triton lowering indexes arrays under 4 GiB with 32-bit element offsets, which wrap for a 1-byte array of more
+than 2^31 elements (M3's stacked fp8 gate is 2.4e9), so the 8-bit weights travel as half as many 16-bit words.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import mx
+
+MATS = ("gate", "up", "down")
+MX_GROUP = 128  # K elements per pair-packing group
+_BITS = {"mxfp8": 8, "mxfp4": 4}
+_WORD = {"mxfp8": jnp.uint16, "mxfp4": jnp.uint8}
+_KEY = {"mxfp8": "q8", "mxfp4": "q4"}
+
+
+def weight_format(experts: dict) -> str:
+    if "gate_q8" in experts:
+        return "mxfp8"
+    if "gate_q4" in experts:
+        return "mxfp4"
+    return "dense"
+
+
+def weight_arrays(experts: dict, mat: str) -> tuple[jax.Array, ...]:
+    """The arrays a kernel reads for one matrix, in kernel argument order."""
+    fmt = weight_format(experts)
+    if fmt == "dense":
+        return (experts[mat],)
+    return experts[f"{mat}_{_KEY[fmt]}"], experts[f"{mat}_s"]
+
+
+def num_slots(experts: dict) -> int:
+    return int(weight_arrays(experts, "gate")[0].shape[0])
+
+
+def has_shared_slot(p: dict) -> bool:
+    return "experts" in p and num_slots(p["experts"]) == p["router"].shape[1] + 1
+
+
+def stack_dense(p: dict, dtype: jnp.dtype | None = None) -> dict:
+    """{"gate", "up", "down"} `[S, K, N]` from the MoE params, the shared expert as slot E when it fits."""
+    mats = {"gate": p["w_gate"], "up": p["w_up"], "down": p["w_down"]}
+    s = p.get("shared")
+    if s is not None and s["w_gate"].shape == p["w_gate"].shape[1:]:
+        mats = {"gate": jnp.concatenate([mats["gate"], s["w_gate"][None]]),
+                "up": jnp.concatenate([mats["up"], s["w_up"][None]]),
+                "down": jnp.concatenate([mats["down"], s["w_down"][None]])}
+    return {k: jnp.asarray(v, dtype) for k, v in mats.items()}
+
+
+def _kn(w_SKN: jax.Array) -> jax.Array:
+    return jnp.swapaxes(w_SKN, -1, -2)
+
+
+def pair_pack(codes_SNK: jax.Array, fmt: str) -> jax.Array:
+    """Element codes `[S, N, K]` (K-contiguous, natural order) -> kernel words `[S, K/2, N]` (see above)."""
+    *lead, n, k = codes_SNK.shape
+    assert k % MX_GROUP == 0, f"MX kernel layout needs K={k} a multiple of {MX_GROUP}"
+    c = codes_SNK.astype(jnp.uint32).reshape(*lead, n, k // MX_GROUP, 2, MX_GROUP // 2)
+    words = (c[..., 0, :] | (c[..., 1, :] << _BITS[fmt])).astype(_WORD[fmt])
+    return _kn(words.reshape(*lead, n, k // 2))
+
+
+def pair_unpack(words_SK2N: jax.Array, fmt: str) -> jax.Array:
+    """Kernel words `[S, K/2, N]` -> element codes `[S, N, K]` (int32) in natural K order."""
+    b = _kn(words_SK2N).astype(jnp.int32)
+    *lead, n, k2 = b.shape
+    g = b.reshape(*lead, n, k2 // (MX_GROUP // 2), MX_GROUP // 2)
+    mask = (1 << _BITS[fmt]) - 1
+    return jnp.stack([g & mask, g >> _BITS[fmt]], axis=-2).reshape(*lead, n, 2 * k2)
+
+
+def mxfp8_from_checkpoint(fp8_SNK: jax.Array, scale_SNKb: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Checkpoint MXFP8 (`[S, N, K]` float8_e4m3fn + `[S, N, K/32]`, HF Linear layout) -> kernel layout."""
+    return pair_pack(jax.lax.bitcast_convert_type(fp8_SNK, jnp.uint8), "mxfp8"), _kn(scale_SNKb)
+
+
+def mxfp4_from_checkpoint(packed_SNK2: jax.Array, scale_SNKb: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Checkpoint MXFP4 (`[S, N, K/2]`, element 2i low nibble, + `[S, N, K/32]`) -> kernel layout."""
+    return pair_pack(mx.unpack_e2m1_jnp(packed_SNK2), "mxfp4"), _kn(scale_SNKb)
+
+
+def decode_codes(codes: jax.Array, fmt: str, dtype: jnp.dtype = jnp.float32) -> jax.Array:
+    """Element codes (int32) -> values (unscaled). Ops that Pallas' Triton lowering supports: kernels use it."""
+    if fmt == "mxfp8":
+        # The byte reinterpreted as e4m3, then the hardware conversion.
+        return jax.lax.bitcast_convert_type(codes.astype(jnp.uint8), jnp.float8_e4m3fn).astype(dtype)
+    return mx.e2m1_to_f32(codes).astype(dtype)
+
+
+def quantize_experts(dense: dict, fmt: str) -> dict:
+    """Dense `[S, K, N]` matrices -> the `fmt` kernel layout (quantised on the device they live on)."""
+    if fmt == "dense":
+        return dense
+    if fmt not in _BITS:
+        raise ValueError(f"unknown MoE weight format {fmt!r} (dense, mxfp8, mxfp4)")
+    out = {}
+    for mat in MATS:
+        w_SNK = _kn(dense[mat])
+        if fmt == "mxfp8":
+            q, s = mx.quantize_mxfp8_jnp(w_SNK)
+            out[f"{mat}_q8"], out[f"{mat}_s"] = mxfp8_from_checkpoint(q, s)
+        else:
+            q, s = mx.quantize_mxfp4_jnp(w_SNK)
+            out[f"{mat}_q4"], out[f"{mat}_s"] = mxfp4_from_checkpoint(q, s)
+    return out
+
+
+def dequantize_experts(experts: dict, dtype: jnp.dtype = jnp.float32) -> dict:
+    """Any kernel layout -> dense {"gate", "up", "down"} `[S, K, N]` (the weights the kernels compute with)."""
+    fmt = weight_format(experts)
+    out = {}
+    for mat in MATS:
+        if fmt == "dense":
+            out[mat] = experts[mat].astype(dtype)
+            continue
+        words, scale = weight_arrays(experts, mat)
+        vals = decode_codes(pair_unpack(words, fmt), fmt)
+        vals = vals.reshape(*vals.shape[:-1], -1, mx.BLOCK) * mx.e8m0_to_f32(_kn(scale))[..., None]
+        out[mat] = _kn(vals.reshape(*vals.shape[:-2], -1)).astype(dtype)
+    return out
+
+
+def reference_params(p: dict, dtype: jnp.dtype | None = None) -> dict:
+    """MoE params in the reference's layout (w_gate/w_up/w_down `[E, ...]`, shared) from a prepared dict.
+
+    The dequantised weights, so the reference computes exactly what the kernels compute (tests, the
+    `reference` override on prepared params).
+    """
+    if "experts" not in p:
+        return p
+    dt = dtype or p["router"].dtype
+    dense = dequantize_experts(p["experts"], dt)
+    num_e = p["router"].shape[1]
+    out = {k: v for k, v in p.items() if k not in ("experts", "w_gate", "w_up", "w_down")}
+    out.update(w_gate=dense["gate"][:num_e], w_up=dense["up"][:num_e], w_down=dense["down"][:num_e])
+    if has_shared_slot(p):
+        out["shared"] = {"w_gate": dense["gate"][num_e], "w_up": dense["up"][num_e],
+                         "w_down": dense["down"][num_e]}
+    return out

@@ -1,0 +1,131 @@
+"""The MoE kernels' tile table: the one place that maps (token count, weight format) to tile shapes.
+
+Three regimes, by the number of rows each expert gets (M3: 128 experts, top-4, plus the shared slot that
+every token visits):
+  decode  (T <= 128: at most ~4 rows per routed expert): bound by streaming the touched experts' weights
+          once. Rows are padded to 16 (the smallest MMA height), N tiles are narrow so that even a single
+          token's 5 expert slots give the 132 multiprocessors enough programs, and deep pipelining keeps
+          bytes in flight.
+  mid     (T <= 2048: tens of rows per expert): still bound by weight bytes, but an expert's rows span a
+          few row blocks; blocks of one expert sit next to each other in launch order (`group`), so they
+          read each weight tile at about the same time and the repeats hit L2.
+  prefill (larger T: hundreds of rows per expert): bound by the matrix units. 128-row blocks and wide N
+          tiles, with the launch order grouped so that the x tiles of `group` row blocks stay in L2 while all
+          N tiles of those blocks run.
+
+Keys of `MoeTiles` (per kernel: `gu` = gate+up GEMM with the SwiGLU-OAI epilogue, `dn` = down GEMM):
+  bm      rows per block; every expert's rows are padded to a multiple of it (one expert per block).
+  bn      output columns per program (for `gu`, per matrix: the program makes bn gate and bn up columns).
+  bk      K per pipelined step (MX formats need a multiple of 128, their pair-packing group; moe/layout.py).
+  warps / stages   Triton's num_warps / num_stages.
+  group   row blocks that run N-tile by N-tile together before the next group (L2 reuse, see above).
+  mx_mode "expand": dequantise a whole [bk, bn] weight tile (scale broadcast over 32 K rows) before one dot;
+          "subdot": one dot per 32-row scale block, scaling its [bm, bn] result (no in-kernel reshape).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelTiles:
+    bn: int
+    bk: int
+    warps: int
+    stages: int
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeTiles:
+    regime: str
+    bm: int
+    gu: KernelTiles
+    dn: KernelTiles
+    group: int
+    mx_mode: str = "expand"
+
+    def replace(self, **kw: object) -> MoeTiles:
+        return dataclasses.replace(self, **kw)  # type: ignore[arg-type]
+
+
+# Upper token bounds of each regime (inclusive).
+DECODE_MAX_T = 128
+MID_MAX_T = 2048
+
+# Keyed by (regime, format); a format without its own entry uses the "dense" one. The dense entries were timed
+# on one H200 (benchmarks/bench_moe.py; docs/benchmarks.md "MoE kernels": decode at 1.03-1.05x of the weight-
+# streaming floor for T = 8..128, prefill 447 TFLOP/s at T = 8192 with 4 stages against 428 with 3). The MX
+# entries are chosen from offline Triton 3.6 sm_90 builds (no register spills, no local memory); they were not
+# timed in their final layout. Every entry fits two or more programs per multiprocessor where the regime is
+# bandwidth-bound.
+_K = KernelTiles
+GPU_TABLE: dict[tuple[str, str], MoeTiles] = {
+    ("decode", "dense"): MoeTiles("decode", bm=16, gu=_K(bn=64, bk=128, warps=4, stages=4),
+                                  dn=_K(bn=128, bk=128, warps=4, stages=4), group=1),
+    ("mid", "dense"): MoeTiles("mid", bm=64, gu=_K(bn=64, bk=128, warps=4, stages=4),
+                               dn=_K(bn=128, bk=128, warps=4, stages=4), group=8),
+    # The 64-row MXFP4 down kernel spills at 4 warps; 32 rows do not.
+    ("mid", "mxfp4"): MoeTiles("mid", bm=32, gu=_K(bn=64, bk=128, warps=4, stages=4),
+                               dn=_K(bn=128, bk=128, warps=4, stages=4), group=8),
+    # gate+up: a 128 x (2 x 128) output tile per program (two accumulators), the shape of the best plain Pallas
+    # matmul on this GPU (gpu.md); down: 128 x 128 (128 x 256 spills).
+    ("prefill", "dense"): MoeTiles("prefill", bm=128, gu=_K(bn=128, bk=64, warps=8, stages=4),
+                                   dn=_K(bn=128, bk=64, warps=8, stages=4), group=16),
+    # MX tiles are widened in registers before the MMA: narrower gate+up tiles keep that spill-free.
+    ("prefill", "mxfp8"): MoeTiles("prefill", bm=128, gu=_K(bn=64, bk=128, warps=8, stages=4),
+                                   dn=_K(bn=128, bk=128, warps=8, stages=4), group=16),
+    ("prefill", "mxfp4"): MoeTiles("prefill", bm=128, gu=_K(bn=64, bk=128, warps=8, stages=4),
+                                   dn=_K(bn=128, bk=128, warps=8, stages=4), group=16),
+}
+
+# Interpret mode (CPU tests) runs every program as a loop iteration: tiny tiles keep the test shapes
+# (D, F of a few hundred) multi-tile in every direction, which is what the tests are about.
+INTERPRET_TILES = MoeTiles("interpret", bm=16, gu=KernelTiles(bn=64, bk=128, warps=4, stages=1),
+                           dn=KernelTiles(bn=64, bk=128, warps=4, stages=1), group=2)
+
+
+def regime(num_tokens: int) -> str:
+    if num_tokens <= DECODE_MAX_T:
+        return "decode"
+    return "mid" if num_tokens <= MID_MAX_T else "prefill"
+
+
+def pick_tiles(num_tokens: int, fmt: str, *, interpret: bool = False) -> MoeTiles:
+    """Tiles for `num_tokens` rows of `fmt` weights ("bf16" | "mxfp8" | "mxfp4")."""
+    if interpret:
+        tiles = INTERPRET_TILES
+    else:
+        reg = regime(num_tokens)
+        tiles = GPU_TABLE.get((reg, fmt), GPU_TABLE[(reg, "dense")])
+    if fmt != "dense" and tiles.gu.bk % 128:
+        # MX weights are pair-packed in groups of 128 along K (moe/layout.py): at least one group per step.
+        tiles = tiles.replace(gu=dataclasses.replace(tiles.gu, bk=128))
+    if fmt != "dense" and tiles.dn.bk % 128:
+        tiles = tiles.replace(dn=dataclasses.replace(tiles.dn, bk=128))
+    mode = os.environ.get("M3JAX_MOE_MX_MODE")
+    if mode:
+        tiles = tiles.replace(mx_mode=mode)
+    return tiles
+
+
+def fit_tiles(tiles: MoeTiles, d_model: int, d_ff: int, fmt: str) -> MoeTiles | None:
+    """`tiles` shrunk (halving bn / bk) until they divide the layer's shapes; None when no tile fits (then the
+    dispatch uses the reference). The GPU table's entries fit M3 as they are."""
+    min_k = 16 if fmt == "dense" else 128  # MMA depth / MX pair-packing group
+
+    def fit(kt: KernelTiles, k: int, n: int) -> KernelTiles | None:
+        bn, bk = kt.bn, kt.bk
+        while bn > 16 and n % bn:
+            bn //= 2
+        while bk > min_k and k % bk:
+            bk //= 2
+        if n % bn or k % bk or bk < min_k:
+            return None
+        return dataclasses.replace(kt, bn=bn, bk=bk)
+
+    gu, dn = fit(tiles.gu, d_model, d_ff), fit(tiles.dn, d_ff, d_model)
+    if gu is None or dn is None:
+        return None
+    return tiles.replace(gu=gu, dn=dn)

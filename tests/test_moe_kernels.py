@@ -1,0 +1,252 @@
+"""The Pallas MoE kernels (interpret mode) against the jnp reference, and the MX format helpers they share
+with the checkpoints. Tiny shapes: E=8 experts of D=256 -> F=128, top-2, plus the shared expert as slot 8."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from checkpoints.prepare import prepare_moe, prepare_params
+from m3jax.config import preset
+from m3jax.params import random_params
+from pallas_kernels import mx
+from pallas_kernels.moe import dispatch, kernel, layout, reference
+from pallas_kernels.moe.tiles import GPU_TABLE, INTERPRET_TILES, fit_tiles, pick_tiles
+
+E, D, F, TOP_K = 8, 256, 128, 2
+KW = {"top_k": TOP_K, "routed_scaling": 2.0, "alpha": 1.702, "limit": 7.0}
+
+
+def moe_params(seed: int, *, bias: np.ndarray | None = None, shared_width: int = F) -> dict:
+    rng = np.random.default_rng(seed)
+
+    def n(*shape: int, std: float = 1.0) -> jax.Array:
+        return jnp.asarray(rng.normal(0.0, std, shape).astype(np.float32))
+
+    return {
+        "router": n(D, E, std=D**-0.5),
+        "router_bias": jnp.asarray(bias, jnp.float32) if bias is not None else n(E, std=0.05),
+        # Scaled so that the clamps at ±7 bite on some rows.
+        "w_gate": n(E, D, F, std=3 * D**-0.5), "w_up": n(E, D, F, std=3 * D**-0.5), "w_down": n(E, F, D, std=F**-0.5),
+        "shared": {"w_gate": n(D, shared_width, std=3 * D**-0.5), "w_up": n(D, shared_width, std=3 * D**-0.5),
+                   "w_down": n(shared_width, D, std=shared_width**-0.5)},
+    }
+
+
+def hidden(seed: int, T: int, dtype: jnp.dtype = jnp.float32) -> jax.Array:
+    return jnp.asarray(np.random.default_rng(seed).normal(0.0, 2.0, (T, D)).astype(np.float32)).astype(dtype)
+
+
+def bias_with(hot: list[int] | None = None, cold: list[int] | None = None) -> np.ndarray:
+    b = np.zeros(E, np.float32)
+    b[hot or []] = 100.0  # chosen by every token (the bias picks; it never weights)
+    b[cold or []] = -100.0  # never chosen: empty experts
+    return b
+
+
+# ---- MX formats ------------------------------------------------------------------------------------------
+
+
+def test_mx_device_quantisers_match_host() -> None:
+    w = np.random.default_rng(0).normal(size=(3, 16, 128)).astype(np.float32)
+    w[0, 0, :32] = 0.0  # an all-zero block
+    w[1, 2, 7] = 1e4  # saturation edges
+    q8, s8 = mx.quantize_mxfp8(w)
+    jq8, js8 = mx.quantize_mxfp8_jnp(jnp.asarray(w))
+    np.testing.assert_array_equal(np.asarray(jq8).view(np.uint8), q8.view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(js8), s8)
+    q4, s4 = mx.quantize_mxfp4(w)
+    jq4, js4 = mx.quantize_mxfp4_jnp(jnp.asarray(w))
+    np.testing.assert_array_equal(np.asarray(jq4), q4)
+    np.testing.assert_array_equal(np.asarray(js4), s4)
+    nz = s8 > 0  # e8m0_to_f32 maps the 0 byte to 0 instead of 2^-127
+    np.testing.assert_array_equal(np.asarray(mx.dequantize_mxfp8_jnp(jq8, js8))[np.repeat(nz, 32, -1)],
+                                  mx.dequantize_mxfp8(q8, s8)[np.repeat(nz, 32, -1)])
+    np.testing.assert_array_equal(np.asarray(mx.dequantize_mxfp4_jnp(jq4, js4)), mx.dequantize_mxfp4(q4, s4))
+
+
+def test_mxfp4_rule_and_packing() -> None:
+    # Every code decodes to the OCP E2M1 table; the in-kernel bit decoder agrees.
+    np.testing.assert_array_equal(np.asarray(mx.e2m1_to_f32(jnp.arange(16, dtype=jnp.int32))), mx.E2M1_LUT)
+    s = np.arange(1, 255, dtype=np.uint8)
+    np.testing.assert_array_equal(np.asarray(mx.e8m0_to_f32(jnp.asarray(s))), np.exp2(s.astype(np.float64) - 127))
+    # Even element in the low nibble.
+    packed = mx.pack_e2m1(np.array([[1, 2, 3, 15]], np.uint8))
+    np.testing.assert_array_equal(packed, [[0x21, 0xF3]])
+    np.testing.assert_array_equal(mx.unpack_e2m1(packed), [[1, 2, 3, 15]])
+    # Block max lands on 6 (scale = floor(log2 amax) - 2); ties round to the even code; the error is bounded.
+    w = np.random.default_rng(1).normal(size=(4, 64)).astype(np.float32)
+    w[0, :4] = [0.25, 0.75, 2.5, 5.0]  # midpoints between E2M1 magnitudes (block max below 6)
+    w[0, 4] = 6.0
+    q, sc = mx.quantize_mxfp4(w)
+    back = mx.dequantize_mxfp4(q, sc)
+    np.testing.assert_array_equal(back[0, :5], [0.0, 1.0, 2.0, 4.0, 6.0])
+    step = np.repeat(np.exp2(sc.astype(np.float64) - 127), 32, axis=1)
+    assert np.all(np.abs(back - w) <= 0.25 * np.abs(w) + 0.25 * step)
+    # Re-quantising is the identity.
+    q2, sc2 = mx.quantize_mxfp4(back)
+    np.testing.assert_array_equal(q2, q)
+    np.testing.assert_array_equal(sc2, sc)
+
+
+def test_mx_kernel_layout_round_trip() -> None:
+    codes = np.random.default_rng(2).integers(0, 16, size=(2, 8, 256)).astype(np.uint8)  # [S, N, K]
+    packed = mx.pack_e2m1(codes)
+    kq, ks = layout.mxfp4_from_checkpoint(jnp.asarray(packed), jnp.zeros((2, 8, 8), jnp.uint8))
+    assert kq.shape == (2, 128, 8) and kq.dtype == jnp.uint8 and ks.shape == (2, 8, 8)
+    # Word r of each 128-group: element r low, r + 64 high.
+    b = np.asarray(kq)[0, :, 0]
+    np.testing.assert_array_equal(b[:64] & 0xF, codes[0, 0, :64])
+    np.testing.assert_array_equal(b[:64] >> 4, codes[0, 0, 64:128])
+    np.testing.assert_array_equal(np.asarray(layout.pair_unpack(kq, "mxfp4")), codes)
+    # MXFP8: the same pairing in 16-bit words (half as many elements: Pallas' 32-bit offsets stay in range).
+    fp8 = np.random.default_rng(3).normal(size=(2, 8, 256)).astype(ml_dtypes.float8_e4m3fn)
+    k8, _ = layout.mxfp8_from_checkpoint(jnp.asarray(fp8), jnp.zeros((2, 8, 8), jnp.uint8))
+    assert k8.shape == (2, 128, 8) and k8.dtype == jnp.uint16
+    w = np.asarray(k8)[1, 64:128, 3]  # the second group
+    np.testing.assert_array_equal(w & 0xFF, fp8[1, 3, 128:192].view(np.uint8))
+    np.testing.assert_array_equal(w >> 8, fp8[1, 3, 192:256].view(np.uint8))
+    back = layout.decode_codes(layout.pair_unpack(k8, "mxfp8"), "mxfp8")
+    np.testing.assert_array_equal(np.asarray(back), fp8.astype(np.float32))
+
+
+# ---- sorted-and-padded layout ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bias", [None, bias_with(hot=[3]), bias_with(cold=[0, 1, 2, 5, 6])])
+@pytest.mark.parametrize("T", [1, 13, 40])
+def test_sort_and_pad_invariants(bias: np.ndarray | None, T: int) -> None:
+    p = moe_params(0, bias=bias)
+    idx, w = reference.route(hidden(1, T), p["router"], p["router_bias"], TOP_K)
+    bm, S = 16, E + 1
+    lay = kernel.sort_and_pad(idx, w, num_slots=S, shared_slot=True, bm=bm, routed_scaling=2.0)
+    slot_B, dest = np.asarray(lay.slot_B), np.asarray(lay.dest_TJ)
+    row_token, row_weight = np.asarray(lay.row_token_M), np.asarray(lay.row_weight_M)
+    assert slot_B.shape[0] == kernel.max_row_blocks(T * (TOP_K + 1), S, bm)
+    e_TJ = np.concatenate([np.asarray(idx), np.full((T, 1), E)], axis=1)
+    assert len(np.unique(dest)) == dest.size  # every (token, choice) owns one row
+    # A row lies in a block of its own slot, holds its token, and carries its combine weight.
+    np.testing.assert_array_equal(slot_B[dest // bm], e_TJ)
+    np.testing.assert_array_equal(row_token[dest], np.repeat(np.arange(T)[:, None], TOP_K + 1, axis=1))
+    w_TJ = np.concatenate([np.asarray(w) * 2.0, np.ones((T, 1))], axis=1)
+    np.testing.assert_allclose(row_weight[dest], w_TJ, rtol=1e-6)
+    # Padding rows weigh nothing; used blocks come first, one slot each, in slot order; every used block has a row.
+    pad = np.ones(row_weight.shape, bool)
+    pad[dest.ravel()] = False
+    assert not np.any(row_weight[pad])
+    used = slot_B[slot_B >= 0]
+    assert np.all(slot_B[: used.size] >= 0) and np.all(np.diff(used) >= 0)
+    assert set(np.unique(dest // bm)) == set(range(used.size))
+
+
+# ---- kernels vs reference --------------------------------------------------------------------------------
+
+
+ROUTINGS = {
+    "random": (37, None),
+    "empty_experts": (13, bias_with(cold=[0, 1, 2, 5])),
+    "hot_expert": (21, bias_with(hot=[3])),
+}
+
+
+@pytest.mark.parametrize("routing", list(ROUTINGS))
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp8", "mxfp4"])
+def test_kernel_equals_reference(fmt: str, routing: str) -> None:
+    """fp32 activations, so the only difference is summation order: the kernel computes exactly the function
+    the reference computes on the (dequantised) weights."""
+    T, bias = ROUTINGS[routing]
+    p = prepare_moe(moe_params(3, bias=bias), fmt, keep_reference=False)
+    assert set(p) == {"router", "router_bias", "experts"}
+    h = hidden(4, T)
+    want = reference.moe(h, layout.reference_params(p, jnp.float32), **KW)
+    got = kernel.moe_pallas(h, p, interpret=True, **KW)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5 * float(jnp.abs(want).max()))
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "mxfp4"])
+def test_kernel_subdot_mode_equals_expand(fmt: str) -> None:
+    p = prepare_moe(moe_params(5), fmt)
+    h = hidden(6, 19)
+    a = kernel.moe_pallas(h, p, interpret=True, tiles=INTERPRET_TILES, **KW)
+    b = kernel.moe_pallas(h, p, interpret=True, tiles=INTERPRET_TILES.replace(mx_mode="subdot"), **KW)
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5 * float(jnp.abs(a).max()))
+
+
+def test_mx_weights_differ_from_dense() -> None:
+    """The MX tests would pass vacuously if quantisation were a no-op: it is not."""
+    p = moe_params(3)
+    d = layout.dequantize_experts(prepare_moe(p, "mxfp4")["experts"])["gate"][:E]
+    assert float(jnp.abs(d - p["w_gate"]).max()) > 1e-3
+
+
+@pytest.mark.parametrize("reg", ["decode", "mid", "prefill"])
+def test_gpu_table_tiles_run(reg: str) -> None:
+    """Each regime's GPU tiles (fitted to the tiny shapes), in bf16 activations, with the shared slot."""
+    fmt = "mxfp8" if reg == "mid" else "dense"
+    tiles = fit_tiles(GPU_TABLE[(reg, "dense")], D, F, fmt)
+    assert tiles is not None
+    p = prepare_moe(moe_params(7), "bf16" if fmt == "dense" else fmt)
+    h = hidden(8, 29, jnp.bfloat16)
+    want = reference.moe(h, layout.reference_params(p, jnp.bfloat16), **KW).astype(jnp.float32)
+    got = kernel.moe_pallas(h, p, interpret=True, tiles=tiles, **KW).astype(jnp.float32)
+    assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < 2e-2
+
+
+def test_unprepared_params_read_in_place() -> None:
+    """No `experts`: routed weights read where they are, the (narrower) shared expert through dense_mlp."""
+    p = moe_params(9, shared_width=96)
+    h = hidden(10, 11)
+    np.testing.assert_allclose(np.asarray(kernel.moe_pallas(h, p, interpret=True, **KW)),
+                               np.asarray(reference.moe(h, p, **KW)), rtol=2e-5, atol=1e-4)
+
+
+def test_dispatch_override_and_model_params(monkeypatch: pytest.MonkeyPatch) -> None:
+    # m3-tiny with MX-packable widths (D, F multiples of 128); its shared expert (48 wide) stays a dense MLP.
+    cfg = dataclasses.replace(preset("m3-tiny"), hidden_size=128, moe_intermediate_size=128)
+    with pytest.raises(ValueError, match="multiples of 128"):
+        prepare_params(jax.tree.map(jnp.asarray, random_params(preset("m3-tiny"), seed=1)), "mxfp8")
+    params = jax.tree.map(jnp.asarray, random_params(cfg, seed=1))
+    prepared = prepare_params(params, "mxfp8")
+    layer = next(i for i, t in enumerate(cfg.mlp_types) if t == "moe")
+    p = prepared["layers"][layer]["moe"]
+    assert p["experts"]["gate_q8"].dtype == jnp.uint16
+    assert "w_gate" in p and not layout.has_shared_slot(p)  # m3-tiny's shared expert is wider than a routed one
+    h = jnp.asarray(np.random.default_rng(0).normal(size=(9, cfg.hidden_size)).astype(np.float32))
+    kw = {"top_k": cfg.num_experts_per_tok, "routed_scaling": cfg.routed_scaling_factor,
+          "alpha": cfg.swiglu_alpha, "limit": cfg.swiglu_limit}
+    monkeypatch.setenv("M3JAX_MOE_IMPL", "reference")
+    want = dispatch.moe(h, {k: v for k, v in p.items() if k != "experts"}, **kw)
+    deq = dispatch.moe(h, layout.reference_params(p, jnp.float32), **kw)
+    # Prepared-only params: the reference dequantises them.
+    slim = prepare_params(params, "mxfp8", keep_reference=False)["layers"][layer]["moe"]
+    assert "w_gate" not in slim and "shared" in slim
+    np.testing.assert_allclose(np.asarray(dispatch.moe(h, slim, **kw)), np.asarray(deq), rtol=1e-6, atol=1e-6)
+    monkeypatch.setenv("M3JAX_MOE_IMPL", "interpret")
+    got = dispatch.moe(h, p, **kw)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(deq), rtol=1e-5, atol=1e-5)
+    # MXFP8 weights move the output by at most a few percent of its size.
+    assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < 0.1
+    monkeypatch.setenv("M3JAX_MOE_IMPL", "bogus")
+    with pytest.raises(ValueError, match="M3JAX_MOE_IMPL"):
+        dispatch.moe(h, p, **kw)
+
+
+def test_dispatch_defaults_to_reference_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("M3JAX_MOE_IMPL", raising=False)
+    gpu = jax.default_backend() == "gpu" and jax.device_count() == 1
+    assert dispatch.moe_impl() == ("pallas" if gpu else "reference")
+
+
+def test_tile_table_covers_m3() -> None:
+    for T in (1, 8, 32, 128, 512, 2048, 8192):
+        for fmt in ("dense", "mxfp8", "mxfp4"):
+            t = pick_tiles(T, fmt)
+            assert fit_tiles(t, 6144, 3072, fmt) == t, (T, fmt)
+    assert pick_tiles(1, "mxfp4").gu.bk % layout.MX_GROUP == 0
+    assert fit_tiles(INTERPRET_TILES, 64, 48, "mxfp4") is None  # K % 128 != 0: the dispatch falls back
+    assert ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max == mx.E4M3_MAX

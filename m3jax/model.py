@@ -56,19 +56,13 @@ def apply_rope(x_THD: jax.Array, cos_TR: jax.Array, sin_TR: jax.Array) -> jax.Ar
 
 # ---- attention ---------------------------------------------------------------------------------------------
 
-def _write(pages: jax.Array, new_T: jax.Array, slot_T: jax.Array) -> jax.Array:
-    """Scatter each token's vector into its slot of the page pool (padding tokens hit the sink page)."""
-    flat = pages.reshape(pages.shape[0] * pages.shape[1], *pages.shape[2:])
-    return flat.at[slot_T].set(new_T.astype(pages.dtype)).reshape(pages.shape)
-
-
 def msa_select(p: Params, cfg: M3Config, layer: int, h_TD: jax.Array, batch: Batch, rope: tuple[jax.Array, ...],
                kv: KVPages) -> jax.Array:
     """MSA index branch: write this step's index-K, then pick blocks per (KV group, query token): [T, K, N]."""
     iq = rms_norm(jnp.einsum("td,dgi->tgi", h_TD, p["wq"]), p["q_norm"], cfg.rms_norm_eps)
     ik = rms_norm(jnp.einsum("td,di->ti", h_TD, p["wk"])[:, None, :], p["k_norm"], cfg.rms_norm_eps)
     iq, ik = apply_rope(iq, *rope), apply_rope(ik, *rope)
-    kv.index_k[layer] = _write(kv.index_k[layer], ik[:, 0], batch.slot_mapping)
+    kv.index_k[layer] = ops.write_kv_pages(kv.index_k[layer], ik[:, 0], batch.slot_mapping)
     return ops.paged_select_blocks(iq, kv.index_k[layer], batch.page_table, batch.token_row, batch.positions,
                                    topk=cfg.index_topk_blocks, local_blocks=cfg.index_local_blocks,
                                    init_blocks=cfg.index_init_blocks)
@@ -82,8 +76,8 @@ def attention(p: Params, cfg: M3Config, layer: int, h_TD: jax.Array, batch: Batc
     k = rms_norm(jnp.einsum("td,dhk->thk", h_TD, a["wk"]), a["k_norm"], cfg.rms_norm_eps)
     v = jnp.einsum("td,dhk->thk", h_TD, a["wv"])
     q, k = apply_rope(q, *rope), apply_rope(k, *rope)  # norm before RoPE; V gets neither
-    kv.k[layer] = _write(kv.k[layer], k, batch.slot_mapping)
-    kv.v[layer] = _write(kv.v[layer], v, batch.slot_mapping)
+    kv.k[layer] = ops.write_kv_pages(kv.k[layer], k, batch.slot_mapping)
+    kv.v[layer] = ops.write_kv_pages(kv.v[layer], v, batch.slot_mapping)
     scale = cfg.head_dim ** -0.5
 
     blocks = None

@@ -7,7 +7,9 @@ from pallas_kernels.attention.dispatch import (
     paged_block_sparse_attention,
     paged_dense_attention,
     paged_select_blocks,
+    write_kv_pages,
 )
 from pallas_kernels.moe.dispatch import dense_mlp, moe
 
-__all__ = ["paged_dense_attention", "paged_select_blocks", "paged_block_sparse_attention", "moe", "dense_mlp"]
+__all__ = ["paged_dense_attention", "paged_select_blocks", "paged_block_sparse_attention", "write_kv_pages", "moe",
+           "dense_mlp"]

@@ -1,0 +1,92 @@
+"""The tile table of the attention-family kernels: the one place where tile sizes are chosen from real shapes.
+
+Rows per request (T / R) tells decode (1 + k draft rows per request) from prefill chunks; the page-table width
+P and the head dims size the rest. Figures behind each choice: docs/benchmarks.md, "Attention kernels"
+(H200, jax 0.11.2, Triton lowering), results in benchmarks/results/attention-h200.json. Interpret mode uses the
+same tiles so CI runs the code the GPU runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+# Below this many new rows a step's K / V / index-K write stays an XLA scatter, from it on the Pallas row store:
+# 64 rows 10.3 vs 14.6 us, 8192 rows 41.0 vs 15.3 us (32 writes in one jitted loop, 8.6 GB pool); the threshold
+# is the linear interpolation of those two points, not a measurement.
+KV_WRITE_PALLAS_MIN_ROWS = 1024
+
+# Fewer rows per request than this is "decode-like": one page read must serve few query rows, the op is
+# bandwidth-bound and the grid must split the pages to fill 132 SMs. More is a prefill chunk: compute-bound,
+# query blocks of many rows so the matrix units see M >= 64.
+DECODE_ROWS_PER_REQUEST = 8
+NUM_SMS = 132  # H200
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexTiles:
+    bt: int  # query tokens per program (M = bt * index heads rows in each dot)
+    bp: int  # pages (= MSA blocks) per program; the grid's second axis splits the page table
+    num_warps: int = 4
+    num_stages: int = 3
+    topk: str = "pallas"  # top-k over the block scores: "pallas" (msa.kernel.topk_blocks) or "xla" (lax.top_k)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionTiles:
+    bt: int  # query tokens per program (M = bt * heads per KV group rows in each dot)
+    pages_per_split: int  # pages (entries of the page list) per program; > list length means no split
+    num_warps: int = 4
+    num_stages: int = 3
+    key_tile: int | None = None  # keys per loop step (None: a whole page); half a page halves each stage's smem
+
+
+def _pow2_at_least(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+def _rows_per_request(num_tokens: int, num_rows: int) -> int:
+    return max(1, -(-num_tokens // max(1, num_rows)))
+
+
+def index_tiles(num_tokens: int, num_rows: int, pages_per_row: int, index_heads: int) -> IndexTiles:
+    rows = _rows_per_request(num_tokens, num_rows)
+    # The dot needs M = bt * heads >= 16 rows on the matrix units (Triton's minimum).
+    min_bt = _pow2_at_least(max(1, -(-16 // index_heads)))
+    if rows <= DECODE_ROWS_PER_REQUEST:
+        # Bandwidth-bound: long page streams per program pipeline best, as long as the grid still holds ~2
+        # programs per SM (H200, batch 64, kernel alone: 8k 16 pages/program 1.77x its floor vs 8 pages 2.3x;
+        # 32k 64 pages 1.32x; 128k 64 pages 1.24x, 32 pages 1.11-1.26x across runs).
+        want = max(1, num_rows * pages_per_row // (2 * NUM_SMS))
+        return IndexTiles(bt=max(min_bt, _pow2_at_least(rows)), bp=min(64, max(8, _pow2_at_least(want))))
+    # Prefill: compute-bound; M = 64 rows per dot (8k chunk: 180 us vs 237 us at M = 128), 8 pages per program
+    # so causal-empty programs exit early.
+    return IndexTiles(bt=max(min_bt, _pow2_at_least(max(1, 64 // index_heads))), bp=8)
+
+
+def sparse_tiles(num_tokens: int, num_rows: int, topk: int, heads_per_group: int) -> AttentionTiles:
+    rows = _rows_per_request(num_tokens, num_rows)
+    if rows <= DECODE_ROWS_PER_REQUEST:
+        # One token per program reading its own topk pages (no union list to build); not split: the merge of
+        # split partials cost more than the parallelism gained (32k, batch 64: 94 us unsplit, 102-160 us split).
+        # Half-page key steps with 4 stages keep more loads in flight (8k / 32k / 128k: 1.49 / 1.42 / 1.51x
+        # the floor, against 1.99 / 1.51 / 1.87x with whole pages and 3 stages).
+        return AttentionTiles(bt=1, pages_per_split=topk, num_stages=4, key_tile=64)
+    # Prefill: a block of 4 tokens reads the union of their selections once, each token masked to its own
+    # (random selections at an 8k chunk: 3.5 ms, against 5.6 ms one token per program and 8.0 ms for 8 tokens;
+    # real selections of neighbouring tokens overlap more, which favours the union).
+    return AttentionTiles(bt=4, pages_per_split=4 * topk, key_tile=64)
+
+
+def dense_tiles(num_tokens: int, num_rows: int, pages_per_row: int, num_kv_heads: int,
+                heads_per_group: int) -> AttentionTiles:
+    rows = _rows_per_request(num_tokens, num_rows)
+    if rows <= DECODE_ROWS_PER_REQUEST:
+        # Flash-decoding split so that requests x groups x splits is ~16 programs per SM (32k, batch 64: 8 splits
+        # ran 1.17-1.23x the floor, 4 splits 1.24x, 2 splits 1.22x), but never under 16 pages per split: the
+        # merge of partials then costs more than it gains (8k: 8 pages 1.44x, 16 pages 1.30x, 32 pages 1.29x).
+        want_splits = max(1, 16 * NUM_SMS // max(1, num_rows * num_kv_heads))
+        per_split = max(16, _pow2_at_least(-(-pages_per_row // want_splits)))
+        return AttentionTiles(bt=_pow2_at_least(rows), pages_per_split=per_split)
+    # M = 128 rows: the flash-attention forward shape (M = 256 exceeds the 227 KB of shared memory).
+    bt = _pow2_at_least(max(1, 128 // heads_per_group))
+    return AttentionTiles(bt=bt, pages_per_split=pages_per_row, num_warps=8, num_stages=2)

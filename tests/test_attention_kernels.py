@@ -1,0 +1,178 @@
+"""The attention-family Pallas kernels (interpret mode on the CPU) against their jnp references.
+
+One small mixed batch exercises every case at once: a prefill chunk after a cached prefix (partial first and
+last pages), decode rows with 1 + k draft rows at the end of their request, a context shorter than topk blocks,
+a long single decode, and padding tokens. Shapes are tiny (page 8, head dim 16) so the interpreter is quick.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from m3jax.batch import RowPlan, build_batch
+from pallas_kernels.attention import dispatch
+from pallas_kernels.attention import kernel as attn_kernel
+from pallas_kernels.attention import reference as attn_ref
+from pallas_kernels.attention.kv_write import write_pages_pallas, write_pages_xla
+from pallas_kernels.attention.ragged import query_blocks
+from pallas_kernels.attention.tuning import AttentionTiles, IndexTiles
+from pallas_kernels.msa import kernel as msa_kernel
+from pallas_kernels.msa import reference as msa_ref
+
+PS, K, HG, D, DI, TOPK = 8, 2, 4, 16, 16, 4
+H = K * HG
+SCALE = D ** -0.5
+NUM_PAGES = 48
+
+
+def _mixed_batch():
+    """(batch, description). Rows: prefill chunk 13..32 (prefix cached), 1 + 3 drafts at 41..44, a 2-page
+    context (< topk blocks), a 1 + 1 draft decode at 70..71 (9 pages > topk), a first-token decode; padding."""
+    perm = np.random.default_rng(7).permutation(np.arange(1, NUM_PAGES))  # scattered physical pages, no sink
+    pages = iter(perm.tolist())
+    take = lambda n: [next(pages) for _ in range(n)]  # noqa: E731
+    rows = [
+        RowPlan([1] * 20, 13, take(5)),  # prefill chunk: positions 13..32
+        RowPlan([1] * 4, 41, take(6)),  # decode + 3 draft rows: positions 41..44
+        RowPlan([1] * 1, 11, take(2)),  # short context: 2 visible blocks < topk
+        RowPlan([1] * 2, 70, take(9)),  # long decode + 1 draft
+        RowPlan([1] * 1, 0, take(1)),  # first token of a request
+    ]
+    batch, _ = build_batch(rows, PS, 32, 6, 10)  # 28 real tokens + 4 padding; 6 rows (one empty)
+    return batch
+
+
+BATCH = _mixed_batch()
+
+
+def _ints(rng: np.random.Generator, *shape: int) -> jax.Array:
+    """Small integers: every fp32 dot is exact whatever the summation order, and block-score ties are common,
+    so equality of block ids tests the tie resolution, not luck."""
+    return jnp.asarray(rng.integers(-2, 3, size=shape).astype(np.float32))
+
+
+def _normal(rng: np.random.Generator, *shape: int, dtype=jnp.float32) -> jax.Array:
+    return jnp.asarray(rng.normal(size=shape).astype(np.float32)).astype(dtype)
+
+
+def _args(b=BATCH):
+    return b.page_table, b.token_row, b.positions
+
+
+def test_query_blocks_cover_every_token_once():
+    b = BATCH
+    for bt in (1, 4):
+        qbs = query_blocks(b.token_row, b.positions, bt=bt, num_rows=b.page_table.shape[0])
+        start, length, row = (np.asarray(x) for x in (qbs.start_Q, qbs.length_Q, qbs.row_Q))
+        covered = np.concatenate([np.arange(s, s + n) for s, n in zip(start, length, strict=True) if n])
+        assert sorted(covered.tolist()) == list(range(b.num_tokens))
+        tr = np.asarray(b.token_row)
+        for s, n, r in zip(start, length, row, strict=True):
+            assert n <= bt and (n == 0 or (tr[s:s + n] == r).all())
+
+
+@pytest.mark.parametrize("data,topk_impl", [("ints", "pallas"), ("normal", "pallas"), ("ints", "xla")])
+@pytest.mark.parametrize("local_blocks,init_blocks", [(1, 0), (2, 1)])
+def test_select_blocks_equal_reference(data, topk_impl, local_blocks, init_blocks):
+    rng = np.random.default_rng(1 + local_blocks)
+    draw = _ints if data == "ints" else _normal
+    iq, ik = draw(rng, BATCH.num_tokens, K, DI), draw(rng, NUM_PAGES, PS, DI)
+    want = msa_ref.paged_select_blocks(iq, ik, *_args(), topk=TOPK, local_blocks=local_blocks,
+                                       init_blocks=init_blocks)
+    # bp=2 splits the 10-page table over 5 programs; bt=4 puts the 4 draft rows in one program.
+    tiles = IndexTiles(bt=4, bp=2, topk=topk_impl)
+    got = msa_kernel.paged_select_blocks(iq, ik, *_args(), topk=TOPK, local_blocks=local_blocks,
+                                         init_blocks=init_blocks, tiles=tiles, interpret=True)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))  # same ids in the same order
+    assert (np.asarray(want) == -1).any()  # the short contexts really exercised the -1 padding
+
+
+def _selection(rng: np.random.Generator) -> jax.Array:
+    iq, ik = _normal(rng, BATCH.num_tokens, K, DI), _normal(rng, NUM_PAGES, PS, DI)
+    return msa_ref.paged_select_blocks(iq, ik, *_args(), topk=TOPK, local_blocks=1)
+
+
+@pytest.mark.parametrize("tiles", [AttentionTiles(bt=1, pages_per_split=2),
+                                   AttentionTiles(bt=4, pages_per_split=16, key_tile=4)],
+                         ids=["decode-tiles-split", "union-tiles-half-pages"])
+def test_block_sparse_attention_equal_reference(tiles):
+    rng = np.random.default_rng(3)
+    blocks = np.array(_selection(rng))
+    # -1 padding anywhere in a selection (not only at the end), as another producer might write it.
+    drop = rng.random(blocks.shape) < 0.2
+    blocks[drop & (blocks > 0)] = -1
+    blocks = jnp.asarray(blocks)
+    q = _normal(rng, BATCH.num_tokens, H, D, dtype=jnp.bfloat16)
+    kp, vp = (_normal(rng, NUM_PAGES, PS, K, D, dtype=jnp.bfloat16) for _ in range(2))
+    want = msa_ref.paged_block_sparse_attention(q, kp, vp, *_args(), blocks, scale=SCALE)
+    got = msa_kernel.paged_block_sparse_attention(q, kp, vp, *_args(), blocks, scale=SCALE, tiles=tiles,
+                                                  interpret=True)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("tiles", [AttentionTiles(bt=1, pages_per_split=2, key_tile=4),
+                                   AttentionTiles(bt=8, pages_per_split=16)],
+                         ids=["decode-tiles-split-half-pages", "prefill-tiles"])
+def test_dense_attention_equal_reference(tiles):
+    rng = np.random.default_rng(4)
+    q = _normal(rng, BATCH.num_tokens, H, D)
+    kp, vp = (_normal(rng, NUM_PAGES, PS, K, D) for _ in range(2))
+    want = attn_ref.paged_dense_attention(q, kp, vp, *_args(), SCALE)
+    got = attn_kernel.paged_dense_attention(q, kp, vp, *_args(), SCALE, tiles=tiles, interpret=True)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
+
+
+def test_topk_kernel_ties_and_short_rows():
+    """All-equal and all-masked rows: lax.top_k's order (lower index first among equals), -1 where nothing is
+    visible, forced blocks first."""
+    scores = np.zeros((3, 1, 8), np.float32)
+    scores[1, 0, 5:] = -np.inf  # blocks past the row's position are -inf: they must come out as -1
+    scores[2] = -np.inf
+    pos = jnp.asarray([37, 20, 3], jnp.int32)
+    kw = dict(block_size=8, num_blocks=8, topk=5, local_blocks=1, init_blocks=1)
+    want = msa_kernel.select_from_block_scores(jnp.asarray(scores), pos, **kw)
+    got = msa_kernel.topk_blocks(jnp.asarray(scores), pos, interpret=True, **kw)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_kv_write_equal_scatter():
+    rng = np.random.default_rng(5)
+    pages = _normal(rng, NUM_PAGES, PS, K, D, dtype=jnp.bfloat16)
+    new = _normal(rng, BATCH.num_tokens, K, D)
+    slots = np.array(BATCH.slot_mapping)[:27]  # 27 rows: the last tile of 8 is partial
+    new = new[:27]
+    real = slots != 0  # padding tokens all write the sink slot 0: compare the other slots only
+    want = write_pages_xla(pages, new, jnp.asarray(slots))
+    got = write_pages_pallas(pages, new, jnp.asarray(slots), bt=8, interpret=True)
+    flat_w = np.asarray(want.reshape(-1, K, D), np.float32)
+    flat_g = np.asarray(got.reshape(-1, K, D), np.float32)
+    np.testing.assert_array_equal(flat_g[1:], flat_w[1:])
+    np.testing.assert_array_equal(flat_g[slots[real]], np.asarray(new[real].astype(jnp.bfloat16), np.float32))
+
+
+def test_dispatch_env_override(monkeypatch):
+    """M3JAX_ATTENTION_IMPL picks the path; through `dispatch` the kernels equal the references end to end."""
+    rng = np.random.default_rng(6)
+    monkeypatch.setenv(dispatch.IMPL_ENV, "reference")
+    assert dispatch.attention_impl() == "reference"
+    monkeypatch.setenv(dispatch.IMPL_ENV, "bogus")
+    with pytest.raises(ValueError):
+        dispatch.attention_impl()
+    monkeypatch.setenv(dispatch.IMPL_ENV, "interpret")
+    iq, ik = _ints(rng, BATCH.num_tokens, K, DI), _ints(rng, NUM_PAGES, PS, DI)
+    blocks = dispatch.paged_select_blocks(iq, ik, *_args(), topk=TOPK, local_blocks=1)
+    np.testing.assert_array_equal(
+        np.asarray(blocks), np.asarray(msa_ref.paged_select_blocks(iq, ik, *_args(), topk=TOPK, local_blocks=1)))
+    q = _normal(rng, BATCH.num_tokens, H, D)
+    kp, vp = (_normal(rng, NUM_PAGES, PS, K, D) for _ in range(2))
+    got = dispatch.paged_block_sparse_attention(q, kp, vp, *_args(), blocks, scale=SCALE)
+    want = msa_ref.paged_block_sparse_attention(q, kp, vp, *_args(), blocks, scale=SCALE)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
+    slots = BATCH.slot_mapping
+    got_kv = dispatch.write_kv_pages(kp, q[:, :K], slots)  # interpret: the Pallas row store at any size
+    np.testing.assert_array_equal(np.asarray(got_kv.reshape(-1, K, D)[slots[slots != 0]]),
+                                  np.asarray(q[:, :K][np.asarray(slots) != 0]))

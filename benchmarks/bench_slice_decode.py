@@ -1,0 +1,153 @@
+"""Decode step of the `m3-slice` model (real M3 widths: 1 dense + 3 MSA/MoE layers) on one GPU with the Pallas
+kernels, at batch 1, 32 and 128, against the step's memory floor.
+
+Weights are random (drawn on the device: 25B parameters do not need a checkpoint to be timed) and the page
+pool is filled with random K/V/index-K for a context of `--context` tokens per request, so MSA really selects
+16 of the visible blocks. The floor is the bytes one step must read (every attention / dense weight, the
+experts a batch of B tokens touches in expectation under uniform routing, the shared experts, the lm_head,
+and the K/V/index-K each query reads) over the HBM bandwidth. Per-layer time = (step - lm_head) / layers.
+
+    PYTHONPATH=. python benchmarks/bench_slice_decode.py [--batches 1 32 128] [--context 4096]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def device_params(cfg, dtype, seed=0):
+    from m3jax.params import is_spec, param_specs, spec_dtype
+
+    specs = param_specs(cfg)
+    leaves, treedef = jax.tree.flatten(specs, is_leaf=is_spec)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    out = []
+    for k, s in zip(keys, leaves, strict=True):
+        dt = spec_dtype(s, dtype)
+        std = 0.3 if s.init == "norm" else (0.05 if s.init == "zeros" else 1.0 / np.sqrt(s.fan_in))
+        out.append(jax.jit(lambda k, shape=s.shape, dt=dt, std=std: (jax.random.normal(k, shape, jnp.float32) * std)
+                           .astype(dt))(k))
+    return jax.tree.unflatten(treedef, out)
+
+
+def step_bytes(cfg, B: int, context: int, itemsize: int = 2) -> dict[str, float]:
+    d, hd, kv = cfg.hidden_size, cfg.head_dim, cfg.num_kv_heads
+    attn = d * (cfg.num_heads + 2 * kv) * hd + cfg.num_heads * hd * d
+    b = {"attention_weights": 0.0, "index_weights": 0.0, "mlp_weights": 0.0, "kv_reads": 0.0,
+         "lm_head": d * cfg.vocab_size * itemsize}
+    expert = 3 * d * cfg.moe_intermediate_size * itemsize
+    touched = cfg.num_experts * (1 - (1 - cfg.num_experts_per_tok / cfg.num_experts) ** B)
+    visible = context + 1
+    for a, m in zip(cfg.attn_types, cfg.mlp_types, strict=True):
+        b["attention_weights"] += attn * itemsize
+        if a == "dense":
+            b["kv_reads"] += B * visible * 2 * kv * hd * itemsize
+        else:
+            b["index_weights"] += d * (cfg.index_num_heads + 1) * cfg.index_head_dim * itemsize
+            b["kv_reads"] += B * visible * cfg.index_head_dim * itemsize  # index-K
+            sel = min(visible, cfg.index_topk_blocks * cfg.index_block_size)
+            b["kv_reads"] += B * sel * 2 * kv * hd * itemsize  # selected K/V, per group
+        if m == "dense":
+            b["mlp_weights"] += 3 * d * cfg.dense_intermediate_size * itemsize
+        else:
+            shared = 3 * d * cfg.shared_intermediate_size * itemsize
+            b["mlp_weights"] += touched * expert + shared + d * cfg.num_experts * 4  # + the fp32 router
+    b["total"] = sum(b.values())
+    b["touched_experts"] = touched
+    return b
+
+
+def timeit(fn, n: int = 10) -> float:
+    fn()
+    fn()
+    ts = []
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return float(np.median(ts))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="m3-slice")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 32, 128])
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--hbm-tbps", type=float, default=4.3)
+    ap.add_argument("--out", default="benchmarks/results/slice-decode-h200.json")
+    args = ap.parse_args()
+
+    from checkpoints.prepare import prepare_params
+    from m3jax.api import M3Model
+    from m3jax.batch import RowPlan, build_batch
+    from m3jax.config import preset
+    from m3jax.sharding import make_rules
+
+    cfg = preset(args.preset)
+    t0 = time.perf_counter()
+    params = device_params(cfg, jnp.bfloat16)
+    if jax.default_backend() == "gpu":
+        params = prepare_params(params, "bf16", keep_reference=False)
+    jax.block_until_ready(params)
+    print(f"params ready in {time.perf_counter() - t0:.1f}s", flush=True)
+    model = M3Model(cfg, params, make_rules(1), jnp.bfloat16)
+    ps = model.page_size
+    head = jax.jit(lambda x, w: x @ w)
+    rev = os.environ.get("M3JAX_GIT_REV") or subprocess.run(["git", "rev-parse", "--short", "HEAD"],
+                                                            capture_output=True, text=True).stdout.strip()
+    def measure(B: int) -> dict:
+        width = -(-(args.context + 2) // ps)
+        key = jax.random.key(B)
+        kv = model.new_pages(1 + B * width)
+        # Random K/V/index-K in every page: selection then drops real blocks, as at a long context.
+        kv.k = [jax.random.normal(jax.random.fold_in(key, i), a.shape, a.dtype) for i, a in enumerate(kv.k)]
+        kv.v = [jax.random.normal(jax.random.fold_in(key, 100 + i), a.shape, a.dtype) for i, a in enumerate(kv.v)]
+        kv.index_k = [None if a is None else jax.random.normal(jax.random.fold_in(key, 200 + i), a.shape, a.dtype)
+                      for i, a in enumerate(kv.index_k)]
+        rows = [RowPlan([int(t)], args.context, range(1 + b * width, 1 + (b + 1) * width))
+                for b, t in enumerate(np.random.default_rng(B).integers(0, cfg.vocab_size, B))]
+        batch, _ = build_batch(rows, ps, B, B, width)
+        state = {"kv": kv}
+
+        def run() -> None:
+            out = model.step(state["kv"], batch)
+            state["kv"] = out.kv
+            jax.block_until_ready(out.logits)
+
+        t = time.perf_counter()
+        run()
+        compile_s = time.perf_counter() - t
+        step_s = timeit(run)
+        x = jnp.ones((B, cfg.hidden_size), jnp.bfloat16)
+        head_s = timeit(lambda: jax.block_until_ready(head(x, params["lm_head"])))
+        b = step_bytes(cfg, B, args.context)
+        bw = args.hbm_tbps * 1e12
+        floor_s = b["total"] / bw
+        layer_floor = (b["total"] - b["lm_head"]) / cfg.num_layers / bw
+        per_layer = (step_s - head_s) / cfg.num_layers
+        return {"op": "m3_slice_decode_step", "shape": {"batch": B, "context": args.context, "layers": cfg.num_layers},
+                "time_s": step_s, "floor_s": floor_s, "ratio": step_s / floor_s, "lm_head_time_s": head_s,
+                "per_layer_time_s": per_layer, "per_layer_floor_s": layer_floor,
+                "per_layer_ratio": per_layer / layer_floor, "bytes": b, "compile_s": compile_s,
+                "device": jax.devices()[0].device_kind, "git_rev": rev, "jax": jax.__version__,
+                "reference_time_s": None}
+
+    results = []
+    for B in args.batches:
+        results.append(measure(B))
+        print(json.dumps(results[-1]), flush=True)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -39,12 +39,21 @@ class M3Model:
 
     @classmethod
     def create(cls, cfg: M3Config, host_params: Any, dtype: str = "float32", tensor_parallel_size: int = 1,
-               expert_parallel: bool = False, path: Path | None = None) -> M3Model:
-        """Place host params (numpy pytree matching `param_specs(cfg)`) on a mesh of `tensor_parallel_size`."""
+               expert_parallel: bool = False, path: Path | None = None, moe_weight_format: str = "bf16") -> M3Model:
+        """Place host params (numpy pytree matching `param_specs(cfg)`) on a mesh of `tensor_parallel_size`.
+
+        On one GPU the MoE weights are also laid out once for the Pallas kernel (`checkpoints.prepare`), in
+        `moe_weight_format` ("bf16", or "mxfp8" / "mxfp4" to keep them 8- / 4-bit on the device).
+        """
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         rules = make_rules(tensor_parallel_size, expert_parallel)
-        return cls(cfg, shard_params(host_params, cfg, rules), rules, _DTYPES[dtype], path)
+        params = shard_params(host_params, cfg, rules)
+        if jax.default_backend() == "gpu" and tensor_parallel_size == 1 and "moe" in cfg.mlp_types:
+            from checkpoints.prepare import prepare_params
+
+            params = prepare_params(params, moe_weight_format, keep_reference=False)
+        return cls(cfg, params, rules, _DTYPES[dtype], path)
 
     def new_pages(self, num_pages: int) -> KVPages:
         """A page pool (page 0 is the padding sink, never handed out)."""
@@ -128,7 +137,7 @@ def embedded_model_path() -> Path:
 
 
 def load_model(path: str | Path | None = None, dtype: str = "float32", tensor_parallel_size: int = 1,
-               expert_parallel: bool = False) -> M3Model:
+               expert_parallel: bool = False, moe_weight_format: str = "bf16") -> M3Model:
     """Load an M3 checkpoint directory (VL wrapper or text-only; bf16 or MXFP8) onto 1 or `tensor_parallel_size`
     devices. `path=None` loads the embedded tiny model."""
     from checkpoints import load_params
@@ -137,4 +146,4 @@ def load_model(path: str | Path | None = None, dtype: str = "float32", tensor_pa
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
     path = Path(path) if path is not None else embedded_model_path()
     cfg, host_params = load_params(path, dtype=dtype)
-    return M3Model.create(cfg, host_params, dtype, tensor_parallel_size, expert_parallel, path)
+    return M3Model.create(cfg, host_params, dtype, tensor_parallel_size, expert_parallel, path, moe_weight_format)

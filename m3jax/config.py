@@ -161,39 +161,14 @@ class M3Config:
         if "sparse_attention_freq" in sparse_cfg:
             on = sparse_cfg.get("use_sparse_attention", True)
             legacy_attn = tuple("sparse" if (f and on) else "dense" for f in sparse_cfg["sparse_attention_freq"])
-        if d.get("layer_types") is not None:
-            names = {"full_attention": "dense", "minimax_m3_sparse": "sparse"}
-            attn_types = []
-            for t in d["layer_types"]:
-                if t not in names:
-                    raise ConfigError(f"layer_types: unknown attention type {t!r} (expected one of {tuple(names)})")
-                attn_types.append(names[t])
-            attn_types = tuple(attn_types)
-            if legacy_attn is not None and legacy_attn != attn_types:
-                raise ConfigError("layer_types: disagrees with sparse_attention_config.sparse_attention_freq")
-        elif legacy_attn is not None:
-            attn_types = legacy_attn
-        else:
-            attn_types = ("dense",) * num_layers
-
-        mlp_types: tuple[str, ...]
+        attn_types = _per_layer_kinds(d, "layer_types", {"full_attention": "dense", "minimax_m3_sparse": "sparse"},
+                                      legacy_attn, "sparse_attention_config.sparse_attention_freq", "dense",
+                                      num_layers)
         legacy_mlp = None
         if d.get("moe_layer_freq") is not None:
             legacy_mlp = tuple("moe" if f else "dense" for f in d["moe_layer_freq"])
-        if d.get("mlp_layer_types") is not None:
-            names = {"dense": "dense", "sparse": "moe"}
-            mlp_list = []
-            for t in d["mlp_layer_types"]:
-                if t not in names:
-                    raise ConfigError(f"mlp_layer_types: unknown MLP type {t!r} (expected one of {tuple(names)})")
-                mlp_list.append(names[t])
-            mlp_types = tuple(mlp_list)
-            if legacy_mlp is not None and legacy_mlp != mlp_types:
-                raise ConfigError("mlp_layer_types: disagrees with moe_layer_freq")
-        elif legacy_mlp is not None:
-            mlp_types = legacy_mlp
-        else:
-            mlp_types = ("moe",) * num_layers
+        mlp_types = _per_layer_kinds(d, "mlp_layer_types", {"dense": "dense", "sparse": "moe"}, legacy_mlp,
+                                     "moe_layer_freq", "moe", num_layers)
 
         # RoPE: theta and the rotated width can come from three places; they must agree.
         rope = get("rope_parameters", {}) or {}
@@ -389,6 +364,22 @@ class M3Config:
                 n += 3 * d * (self.num_experts * self.moe_intermediate_size
                               + self.num_shared_experts * self.shared_intermediate_size)
         return n
+
+
+def _per_layer_kinds(d: dict[str, Any], key: str, names: dict[str, str], legacy: tuple[str, ...] | None,
+                     legacy_key: str, default: str, num_layers: int) -> tuple[str, ...]:
+    """A per-layer kind list from transformers' spelling (`key`), the legacy one, or the default; both spellings
+    present must agree."""
+    if d.get(key) is None:
+        return legacy if legacy is not None else (default,) * num_layers
+    kinds = []
+    for t in d[key]:
+        if t not in names:
+            raise ConfigError(f"{key}: unknown type {t!r} (expected one of {tuple(names)})")
+        kinds.append(names[t])
+    if legacy is not None and legacy != tuple(kinds):
+        raise ConfigError(f"{key}: disagrees with {legacy_key}")
+    return tuple(kinds)
 
 
 def _preset(num_dense: int, num_sparse: int, **kw: Any) -> M3Config:

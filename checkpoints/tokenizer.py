@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sysconfig
+from collections.abc import Sequence
 from pathlib import Path
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -74,8 +75,11 @@ def _corpus() -> list[str]:
     return texts
 
 
-def train_tokenizer(vocab_size: int) -> Tokenizer:
-    """Byte-level BPE with exactly `vocab_size` ids, the M3 special tokens being the last ones."""
+def train_tokenizer(vocab_size: int, texts: Sequence[str] | None = None) -> Tokenizer:
+    """Byte-level BPE with exactly `vocab_size` ids, the M3 special tokens being the last ones.
+
+    Trained on `texts` when given (a model trained on a corpus wants its tokenizer fitted to it), else on the
+    fixed small stdlib selection above."""
     n_special = len(SPECIAL_TOKENS)
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     if vocab_size < len(alphabet) + n_special:
@@ -89,7 +93,7 @@ def train_tokenizer(vocab_size: int) -> Tokenizer:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size - n_special, initial_alphabet=alphabet,
                                   special_tokens=[], show_progress=False)
-    tok.train_from_iterator(_corpus(), trainer)
+    tok.train_from_iterator(_corpus() if texts is None else list(texts), trainer)
     # A corpus too small for the requested merges leaves a gap; reserved tokens keep the specials at the top.
     gap = vocab_size - n_special - tok.get_vocab_size()
     tok.add_special_tokens([f"<|reserved_{i}|>" for i in range(gap)] + list(SPECIAL_TOKENS))
@@ -101,9 +105,11 @@ def _write_json(path: Path, obj: object) -> None:
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
 
 
-def write_tokenizer_files(out_dir: Path, vocab_size: int, model_max_length: int) -> SpecialIds:
-    """tokenizer.json, tokenizer_config.json, special_tokens_map.json and chat_template.jinja."""
-    tok = train_tokenizer(vocab_size)
+def write_tokenizer_files(out_dir: Path, vocab_size: int, model_max_length: int,
+                          texts: Sequence[str] | None = None) -> SpecialIds:
+    """tokenizer.json, tokenizer_config.json, special_tokens_map.json and chat_template.jinja (the tokenizer
+    trained on `texts`, default the fixed small corpus)."""
+    tok = train_tokenizer(vocab_size, texts)
     ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
     tok.save(str(out_dir / "tokenizer.json"))
     added = {str(i): {"content": t.content, "lstrip": False, "normalized": False, "rstrip": False,

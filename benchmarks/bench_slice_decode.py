@@ -24,21 +24,6 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def device_params(cfg, dtype, seed=0):
-    from m3jax.params import is_spec, param_specs, spec_dtype
-
-    specs = param_specs(cfg)
-    leaves, treedef = jax.tree.flatten(specs, is_leaf=is_spec)
-    keys = jax.random.split(jax.random.key(seed), len(leaves))
-    out = []
-    for k, s in zip(keys, leaves, strict=True):
-        dt = spec_dtype(s, dtype)
-        std = 0.3 if s.init == "norm" else (0.05 if s.init == "zeros" else 1.0 / np.sqrt(s.fan_in))
-        out.append(jax.jit(lambda k, shape=s.shape, dt=dt, std=std: (jax.random.normal(k, shape, jnp.float32) * std)
-                           .astype(dt))(k))
-    return jax.tree.unflatten(treedef, out)
-
-
 def step_bytes(cfg, B: int, context: int, itemsize: int = 2) -> dict[str, float]:
     d, hd, kv = cfg.hidden_size, cfg.head_dim, cfg.num_kv_heads
     attn = d * (cfg.num_heads + 2 * kv) * hd + cfg.num_heads * hd * d
@@ -90,11 +75,12 @@ def main() -> None:
     from m3jax.api import M3Model
     from m3jax.batch import RowPlan, build_batch
     from m3jax.config import preset
+    from m3jax.params import init_params
     from m3jax.sharding import make_rules
 
     cfg = preset(args.preset)
     t0 = time.perf_counter()
-    params = device_params(cfg, jnp.bfloat16)
+    params = init_params(cfg, dtype=jnp.bfloat16)
     if jax.default_backend() == "gpu":
         params = prepare_params(params, "bf16", keep_reference=False)
     jax.block_until_ready(params)

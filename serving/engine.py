@@ -69,10 +69,11 @@ class _Tracked:
 
 def _load(cfg: EngineConfig) -> tuple[M3Model, M3Tokenizer | None]:
     if cfg.model in PRESETS:
-        from m3jax.params import random_params
+        from m3jax.params import init_params
 
         mcfg = PRESETS[cfg.model]
-        return M3Model.create(mcfg, random_params(mcfg, seed=cfg.seed), cfg.dtype, cfg.tensor_parallel_size), None
+        params = init_params(mcfg, seed=cfg.seed, dtype=cfg.dtype)
+        return M3Model.create(mcfg, params, cfg.dtype, cfg.tensor_parallel_size), None
     path = Path(cfg.model) if cfg.model is not None else embedded_model_path()
     if not path.is_dir():
         raise FileNotFoundError(f"model {cfg.model!r} is neither a checkpoint directory nor a preset "

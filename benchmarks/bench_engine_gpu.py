@@ -65,7 +65,7 @@ def main() -> None:
               "prompt_tokens": sum(map(len, prompts)), "output_tokens": n_out, "batch_s": batch_s,
               "output_tok_per_s": n_out / batch_s, "steps": steps, "mean_step_s": batch_s / max(steps, 1),
               "alone_equal": same, "pages_in_use_after": eng.pages_in_use,
-              "no_new_compiles": eng.runner._step._cache_size() == len(eng.runner.bucket_shapes())}
+              "no_new_compiles": eng.runner._step._cache_size() == eng.runner.num_compiled}
     print(json.dumps(result), flush=True)
     out = Path(args.out or f"benchmarks/results/engine-{result['device'].replace(' ', '_')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -59,7 +59,9 @@ class M3Model:
         """A page pool (page 0 is the padding sink, never handed out)."""
         shape = (num_pages, self.page_size, self.cfg.num_kv_heads, self.cfg.head_dim)
         sharding = self.rules.sharding(shape, ("pages", "page_slots", "kv_heads", "head_dim"), "kv pages")
-        return KVPages.empty(self.cfg, num_pages, self.dtype, sharding)
+        # Every array committed to the mesh up front: a step's outputs then have the inputs' placement, so the
+        # next step hits the same compiled executable.
+        return KVPages.empty(self.cfg, num_pages, self.dtype, sharding, self.rules.replicated())
 
     def step(self, kv: KVPages, batch: Batch) -> ForwardOutput:
         """One jitted forward over a flat ragged batch; `kv` is donated (use the returned one)."""

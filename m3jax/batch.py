@@ -55,7 +55,8 @@ class KVPages:
     index_k: list[jax.Array | None]
 
     @classmethod
-    def empty(cls, cfg: M3Config, num_pages: int, dtype: Any, kv_sharding: Any = None) -> KVPages:
+    def empty(cls, cfg: M3Config, num_pages: int, dtype: Any, kv_sharding: Any = None,
+              index_sharding: Any = None) -> KVPages:
         shape = (num_pages, page_size(cfg), cfg.num_kv_heads, cfg.head_dim)
 
         def zeros(s: tuple[int, ...], sharding: Any = None) -> jax.Array:
@@ -65,7 +66,7 @@ class KVPages:
         return cls(
             k=[zeros(shape, kv_sharding) for _ in range(cfg.num_layers)],
             v=[zeros(shape, kv_sharding) for _ in range(cfg.num_layers)],
-            index_k=[zeros((num_pages, page_size(cfg), cfg.index_head_dim)) if t == "sparse" else None
+            index_k=[zeros((num_pages, page_size(cfg), cfg.index_head_dim), index_sharding) if t == "sparse" else None
                      for t in cfg.attn_types],
         )
 

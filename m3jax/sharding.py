@@ -41,11 +41,15 @@ class ShardingRules:
         out: list[str | None] = []
         for size, axis in zip(shape, axes, strict=True):
             mesh_axis = self.rules.get(axis)
-            if mesh_axis is not None and size % self.mesh.shape[mesh_axis] != 0:
+            # A mesh axis of size 1 splits nothing; naming it anyway gives shardings that equal a step's
+            # (unnamed) output placement in effect but not in jit's cache key, and would recompile every bucket.
+            if mesh_axis is not None and (size % self.mesh.shape[mesh_axis] != 0 or self.mesh.shape[mesh_axis] == 1):
                 mesh_axis = None
             if mesh_axis is not None and mesh_axis in out:
                 raise ValueError(f"{what}: logical axes {axes} put two dimensions on mesh axis {mesh_axis!r}")
             out.append(mesh_axis)
+        while out and out[-1] is None:  # the canonical form jit gives its outputs: same placement, same cache key
+            out.pop()
         return PartitionSpec(*out)
 
     def sharding(self, shape: tuple[int, ...], axes: tuple[str, ...], what: str = "") -> NamedSharding:

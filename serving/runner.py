@@ -97,7 +97,7 @@ class ModelRunner:
             sampling = SamplingTensors.build([], None, [], r)
             self.kv, out = self._step(self.model.params, self.kv, batch, sampling)
             jax.block_until_ready(out.tokens)
-            self.num_compiled += 1
+        self.num_compiled = self._step._cache_size()
         return time.perf_counter() - t0
 
     def execute(self, plan: StepPlan) -> dict[str, SampledToken]:

@@ -31,7 +31,8 @@ def test_buckets_compiled_once_at_startup(llm):
     runner = llm.engine.runner
     assert runner.num_compiled == len(runner.bucket_shapes()) == runner._step._cache_size()
     llm.generate(_prompts(4, seed=9), GREEDY, use_tqdm=False)
-    assert runner._step._cache_size() == len(runner.bucket_shapes()), "serving must not compile new shapes"
+    llm.generate([[1] * 100], SamplingParams(temperature=0.5, top_p=0.9, seed=1, max_tokens=3), use_tqdm=False)
+    assert runner._step._cache_size() == runner.num_compiled, "serving must not compile new shapes"
 
 
 def test_exact_under_batching_chunking_and_preemption(llm):

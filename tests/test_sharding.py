@@ -41,7 +41,8 @@ def test_tensor_parallel_equals_tp1(setup, tp, ep):
 def test_unshardable_axis_is_replicated_and_bad_tp_is_refused():
     rules = make_rules(4)
     spec = rules.spec_for((2, 16), ("kv_heads", "head_dim"))
-    assert spec == jax.sharding.PartitionSpec(None, None)
+    assert spec == jax.sharding.PartitionSpec()
+    assert make_rules(1).spec_for((4, 16), ("kv_heads", "head_dim")) == jax.sharding.PartitionSpec()
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         make_rules(64)
     with pytest.raises(ValueError, match="two dimensions"):

@@ -30,7 +30,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import mx
 from pallas_kernels.moe import layout
-from pallas_kernels.moe.reference import dense_mlp, route
+from pallas_kernels.moe.reference import dense_mlp, route, swiglu_oai
 from pallas_kernels.moe.tiles import KernelTiles, MoeTiles, fit_tiles, pick_tiles
 
 
@@ -159,10 +159,8 @@ def _gate_up_kernel(slot_ref, x_ref, *refs, n_w: int, fmt: str, bm: int, kt: Ker
 
         zeros = jnp.zeros((bm, kt.bn), jnp.float32)
         gate, up = jax.lax.fori_loop(0, x_ref.shape[1] // kt.bk, step, (zeros, zeros))
-        # SwiGLU-OAI on the fp32 accumulators: gate clamped from above only, up on both sides, up + 1.
-        gate = jnp.minimum(gate, limit)
-        up = jnp.clip(up, -limit, limit)
-        act = (up + 1.0) * (gate * jax.nn.sigmoid(gate * alpha))
+        # SwiGLU-OAI (the reference's own function) on the fp32 accumulators, before the one rounding to bf16.
+        act = swiglu_oai(gate, up, alpha=alpha, limit=limit)
         o_ref[pl.ds(row0, bm), pl.ds(n0, kt.bn)] = act.astype(o_ref.dtype)
 
 

@@ -21,6 +21,8 @@ Keys of `MoeTiles` (per kernel: `gu` = gate+up GEMM with the SwiGLU-OAI epilogue
   group   row blocks that run N-tile by N-tile together before the next group (L2 reuse, see above).
   mx_mode "expand": dequantise a whole [bk, bn] weight tile (scale broadcast over 32 K rows) before one dot;
           "subdot": one dot per 32-row scale block, scaling its [bm, bn] result (no in-kernel reshape).
+  gather  the gate+up kernel loads its rows of x straight from the [T, D] hidden state by token index, instead of
+          reading an [M, D] sorted copy that an XLA gather wrote first.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class MoeTiles:
     dn: KernelTiles
     group: int
     mx_mode: str = "expand"
+    gather: bool = False
 
     def replace(self, **kw: object) -> MoeTiles:
         return dataclasses.replace(self, **kw)  # type: ignore[arg-type]

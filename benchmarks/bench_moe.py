@@ -71,37 +71,6 @@ def candidates(T: int, fmt: str) -> list[MoeTiles]:
     return [c for c in out if c is not None]
 
 
-def explore_plan(tokens: list[int], formats: list[str]) -> list[tuple[int, str, str, MoeTiles]]:
-    """(T, format, MX weight order, tiles) variants: which weight order / MX decode / row gather wins where."""
-    k = KernelTiles
-    plan: list[tuple[int, str, str, MoeTiles]] = []
-    for T in tokens:
-        reg = regime(T)
-        if "mxfp8" in formats:
-            base = pick_tiles(T, "mxfp8")
-            if reg == "decode":
-                plan += [(T, "mxfp8", "kn", base.replace(mx_mode="subdot")),
-                         (T, "mxfp8", "nk", base.replace(mx_mode="expand")),
-                         (T, "mxfp8", "nk", base.replace(mx_mode="subdot")),
-                         (T, "mxfp8", "nk", base.replace(mx_mode="expand_bits")),
-                         (T, "mxfp8", "nk", base.replace(mx_mode="expand", gu=k(128, 128, 4, 4))),
-                         (T, "mxfp8", "nk", base.replace(mx_mode="expand", gu=k(64, 128, 4, 6),
-                                                         dn=k(128, 128, 4, 6))),
-                         (T, "mxfp8", "nk", base.replace(mx_mode="expand", gather=True))]
-            else:
-                plan += [(T, "mxfp8", "nk", base.replace(mx_mode="expand")),
-                         (T, "mxfp8", "nk", base.replace(mx_mode="expand_bits"))]
-        if "bf16" in formats:
-            base = pick_tiles(T, "dense")
-            plan.append((T, "bf16", "kn", base.replace(gather=True)))
-            if reg == "prefill":
-                plan += [(T, "bf16", "kn", base.replace(dn=k(256, 64, 8, 3))),
-                         (T, "bf16", "kn", base.replace(gather=True, dn=k(256, 64, 8, 3))),
-                         (T, "bf16", "kn", base.replace(gather=True, group=8)),
-                         (T, "bf16", "kn", base.replace(gather=True, gu=k(128, 64, 8, 3)))]
-    return plan
-
-
 def tiles_dict(t: MoeTiles) -> dict[str, Any]:
     return dataclasses.asdict(t)
 
@@ -164,7 +133,6 @@ def main() -> None:
     ap.add_argument("--interpret", action="store_true")
     ap.add_argument("--skip-main", nargs="*", default=[], help="formats to sweep only (no main table)")
     ap.add_argument("--sweep", type=int, default=1, help="1: time the tile candidates of each regime")
-    ap.add_argument("--explore", type=int, default=0, help="1: time the kernel-design variants of explore_plan")
     ap.add_argument("--deadline", type=float, default=1e9, help="seconds; skip remaining work after it")
     ap.add_argument("--ref-time-max-tokens", type=int, default=1 << 30,
                     help="time the ragged_dot reference only up to this T (it takes 0.6 s a call at 8192)")
@@ -247,14 +215,12 @@ def main() -> None:
         err = rec.get("error", "")[:200]
         log(f"{op:12s} T={T:5d} {fmt:6s} bm={tiles.bm:3d} gu={tiles.gu.bn}/{tiles.gu.bk}/{tiles.gu.warps}/"
             f"{tiles.gu.stages} dn={tiles.dn.bn}/{tiles.dn.bk}/{tiles.dn.warps}/{tiles.dn.stages} g={tiles.group} "
-            f"{tiles.mx_mode:6s} {layout.weight_order(experts)} gather={int(tiles.gather)} "
-            f"time={rec.get('time_s', 0) * 1e3:8.3f}ms ratio={rec.get('ratio', 0):5.2f} "
+            f"{tiles.mx_mode:6s} time={rec.get('time_s', 0) * 1e3:8.3f}ms ratio={rec.get('ratio', 0):5.2f} "
             f"ref={(ref_time or 0) * 1e3:8.3f}ms err={rec.get('rel_err', -1):.2e} {err}")
         return rec
 
     ref_times: dict[int, float] = {}
     experts_by_fmt: dict[str, dict] = {}
-    rp_by_fmt: dict[str, dict] = {}
     for name in args.formats:
         fmt = FORMATS[name]
         # jit: fused quantisation, no full-size float intermediates on the device.
@@ -277,15 +243,15 @@ def main() -> None:
                     log(f"reference failed at T={T}: {e}")
             tiles = INTERPRET_TILES if args.interpret else pick_tiles(T, fmt)
             rec = measure(T, name, experts, rp, tiles, ref_times.get(T), "moe_experts")
-            rec["order"] = layout.weight_order(experts)
-        rp_by_fmt[name] = rp
+            if "error" in rec and fmt != "dense" and tiles.mx_mode == "expand":
+                measure(T, name, experts, rp, tiles.replace(mx_mode="subdot"), ref_times.get(T), "moe_experts")
         del rp
 
     # The two kernels alone (layout precomputed): what the glue (sort, gather, combine) adds at decode sizes.
     @functools.partial(jax.jit, static_argnames=("tiles",))
-    def run_kernels_only(x, lay, experts, tiles):
-        act = kernel.gate_up(x, lay, experts, tiles, alpha=ALPHA, limit=LIMIT, interpret=args.interpret)
-        return kernel.down(act, lay.slot_B, lay.row_weight_M, experts, tiles, interpret=args.interpret)
+    def run_kernels_only(x_MD, slot_B, row_weight_M, experts, tiles):
+        act = kernel.gate_up(x_MD, slot_B, experts, tiles, alpha=ALPHA, limit=LIMIT, interpret=args.interpret)
+        return kernel.down(act, slot_B, row_weight_M, experts, tiles, interpret=args.interpret)
 
     for T in [t for t in args.tokens if t <= 128]:
         for name in [f for f in args.formats if f not in args.skip_main]:
@@ -301,7 +267,7 @@ def main() -> None:
                 lay_inputs = []
                 for h, idx, wts in inputs[T]:
                     lay = sp(idx, wts)
-                    lay_inputs.append((h if tiles.gather else h[lay.row_token_M], lay))
+                    lay_inputs.append((h[lay.row_token_M], lay.slot_B, lay.row_weight_M))
                 rec["time_s"] = bench(functools.partial(run_kernels_only, experts=experts_by_fmt[name], tiles=tiles),
                                       lay_inputs)
                 rec["floor_s"] = floor(T, name)
@@ -313,19 +279,6 @@ def main() -> None:
             save()
             log(f"kernels only T={T:5d} {name:6s} time={rec.get('time_s', 0) * 1e3:8.3f}ms "
                 f"ratio={rec.get('ratio', 0):5.2f} {rec.get('error', '')[:200]}")
-
-    if args.explore:
-        # Kernel-design variants (weight order, MX decode, fused row gather), each checked against the reference
-        # on the same weights before it is timed.
-        for T, name, order, tiles in explore_plan(args.tokens, list(experts_by_fmt)):
-            if time.perf_counter() - T0 > args.deadline:
-                log("deadline: stopping the exploration")
-                break
-            ex = layout.to_order(experts_by_fmt[name], order)
-            rp = rp_by_fmt.get(name)
-            rec = measure(T, name, ex, rp, tiles, ref_times.get(T), "moe_explore")
-            rec["order"] = order
-            save()
 
     if args.sweep and not args.interpret:
         sweep_fmts = [f for f in ("bf16", "mxfp8") if f in experts_by_fmt]

@@ -180,29 +180,6 @@ def test_kernel_subdot_mode_equals_expand(fmt: str) -> None:
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5 * float(jnp.abs(a).max()))
 
 
-@pytest.mark.parametrize("mode", ["expand", "subdot"])
-@pytest.mark.parametrize("fmt", ["mxfp8", "mxfp4"])
-def test_kernel_nk_order_equals_reference(fmt: str, mode: str) -> None:
-    """MX weights in the checkpoint's row order ("nk": the widened weight tile is the MMA's left operand)."""
-    p = prepare_moe(moe_params(11), fmt, keep_reference=False)
-    nk = dict(p, experts=layout.to_order(p["experts"], "nk"))
-    assert layout.weight_order(nk["experts"]) == "nk"
-    h = hidden(12, 23)
-    want = reference.moe(h, layout.reference_params(p, jnp.float32), **KW)
-    got = kernel.moe_pallas(h, nk, interpret=True, tiles=INTERPRET_TILES.replace(mx_mode=mode), **KW)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5 * float(jnp.abs(want).max()))
-
-
-@pytest.mark.parametrize("fmt", ["bf16", "mxfp8"])
-def test_kernel_gathers_rows_itself(fmt: str) -> None:
-    """`gather`: the gate+up kernel reads x rows by token index (no sorted copy of x)."""
-    p = prepare_moe(moe_params(13), fmt, keep_reference=False)
-    h = hidden(14, 17)
-    want = reference.moe(h, layout.reference_params(p, jnp.float32), **KW)
-    got = kernel.moe_pallas(h, p, interpret=True, tiles=INTERPRET_TILES.replace(gather=True), **KW)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5 * float(jnp.abs(want).max()))
-
-
 def test_mx_weights_differ_from_dense() -> None:
     """The MX tests would pass vacuously if quantisation were a no-op: it is not."""
     p = moe_params(3)

@@ -26,7 +26,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
+from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import mx
 from pallas_kernels.moe import layout
@@ -64,11 +64,11 @@ def sort_and_pad(idx_TK: jax.Array, w_TK: jax.Array, *, num_slots: int, shared_s
     R = T * J
     if T == 1:
         # One token: its J slots are distinct (top-k picks distinct experts; the shared slot is another one),
-        # so each gets its own row block with the token in the block's first row. No sort, no scatters: at
-        # decode sizes the general path's dozen small XLA kernels cost more than the kernels' own slack.
+        # so each gets its own row block with the token in the block's first row. No sort and no scatters: at
+        # decode sizes the general path's dozen small XLA kernels cost more than the two GEMM kernels' slack
+        # (H200, M3 shapes: 0.165 -> 0.149 ms, 1.26x -> 1.13x the weight-streaming floor).
         m = jnp.arange(J * bm, dtype=jnp.int32)
-        first = m % bm == 0
-        row_weight_M = jnp.where(first, w_TJ.reshape(-1)[m // bm], 0.0)
+        row_weight_M = jnp.where(m % bm == 0, w_TJ.reshape(-1)[m // bm], 0.0)
         return RowLayout(jnp.zeros(J * bm, jnp.int32), row_weight_M, e_TJ.reshape(-1),
                          (jnp.arange(J, dtype=jnp.int32) * bm)[None, :])
     flat_e = e_TJ.reshape(-1)
@@ -115,13 +115,13 @@ def _dot(x: jax.Array, w: jax.Array) -> jax.Array:
     return jnp.dot(x, w, preferred_element_type=jnp.float32)
 
 
-def _mac(acc: jax.Array, load_x, k0: jax.Array, w_refs: tuple, slot: jax.Array, col0: jax.Array, *, fmt: str,
-         bn: int, bk: int, mx_mode: str, cdt: jnp.dtype) -> jax.Array:
-    """acc [bm, bn] += x[rows, k0:k0+bk] @ W[slot, k0:k0+bk, col0:col0+bn], W decoded from its format (dense, or
-    MX in the "kn" order); `load_x(k, width)` gives the program's [bm, width] activation tile."""
-    cols = pl.ds(col0, bn)
+def _mac(acc: jax.Array, x_ref, row0: jax.Array, k0: jax.Array, w_refs: tuple, slot: jax.Array,
+         col0: jax.Array, *, fmt: str, bm: int, bn: int, bk: int, mx_mode: str) -> jax.Array:
+    """acc += x[row0:row0+bm, k0:k0+bk] @ W[slot, k0:k0+bk, col0:col0+bn], W decoded from its format."""
+    cdt = x_ref.dtype
+    rows, cols = pl.ds(row0, bm), pl.ds(col0, bn)
     if fmt == "dense":
-        return acc + _dot(load_x(k0, bk), w_refs[0][slot, pl.ds(k0, bk), cols].astype(cdt))
+        return acc + _dot(x_ref[rows, pl.ds(k0, bk)], w_refs[0][slot, pl.ds(k0, bk), cols].astype(cdt))
     # MX: word r of each 128-group of K holds element r (low half) and r + 64 (high half); layout.py.
     q_ref, s_ref = w_refs
     bits = 8 if fmt == "mxfp8" else 4
@@ -136,7 +136,7 @@ def _mac(acc: jax.Array, load_x, k0: jax.Array, w_refs: tuple, slot: jax.Array, 
             for h, code in enumerate((word & mask, word >> bits)):
                 s = mx.e8m0_to_f32(s_ref[slot, pl.ds(sb + 2 * h, 2), cols])
                 w = (layout.decode_codes(code, fmt) * _expand_rows(s, mx.BLOCK)).astype(cdt)
-                acc = acc + _dot(load_x(kg + h * half, half), w)
+                acc = acc + _dot(x_ref[rows, pl.ds(kg + h * half, half)], w)
         else:
             # "subdot": widen straight to the compute dtype, one dot per 32-row scale block, scale its result.
             for c in range(2):
@@ -145,63 +145,12 @@ def _mac(acc: jax.Array, load_x, k0: jax.Array, w_refs: tuple, slot: jax.Array, 
                     piece = 2 * h + c  # which 32-block of the group these K elements are
                     s = mx.e8m0_to_f32(s_ref[slot, pl.ds(sb + piece, 1), cols])
                     w = layout.decode_codes(code, fmt, cdt)
-                    acc = acc + _dot(load_x(kg + piece * mx.BLOCK, mx.BLOCK), w) * s
+                    acc = acc + _dot(x_ref[rows, pl.ds(kg + piece * mx.BLOCK, mx.BLOCK)], w) * s
     return acc
 
 
-def _dot_nt(w_NK: jax.Array, x_MK: jax.Array) -> jax.Array:
-    """[N, K] x [M, K] -> [N, M] fp32: the weight tile is the left operand (see `_mac_nk`)."""
-    return jax.lax.dot_general(w_NK, x_MK, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-
-
-def _expand_cols(s_NR: jax.Array, rep: int) -> jax.Array:
-    """[N, R] -> [N, R * rep], each column repeated `rep` times (a block scale over its 32 K columns)."""
-    n, r = s_NR.shape
-    return jnp.broadcast_to(s_NR[:, :, None], (n, r, rep)).reshape(n, r * rep)
-
-
-def _mac_nk(acc_NM: jax.Array, load_x, k0: jax.Array, w_refs: tuple, slot: jax.Array, col0: jax.Array, *,
-            fmt: str, bn: int, bk: int, mx_mode: str, cdt: jnp.dtype) -> jax.Array:
-    """acc [bn, bm] += (x[rows, k0:k0+bk] @ W[slot, k0:k0+bk, cols])^T with MX weights in the "nk" order.
-
-    The accumulator is transposed: the widened weight tile is the MMA's left operand, which the matrix
-    instructions can take straight from registers, while a right operand widened in registers must first be
-    written to shared memory. Few-row (decode) tiles then stream 8-bit weights without that round trip.
-    """
-    cols = pl.ds(col0, bn)
-    q_ref, s_ref = w_refs
-    bits = 8 if fmt == "mxfp8" else 4
-    mask = (1 << bits) - 1
-    half = layout.MX_GROUP // 2
-    bit_decode = mx_mode.endswith("bits") and fmt == "mxfp8"
-    for g in range(bk // layout.MX_GROUP):
-        kg = k0 + g * layout.MX_GROUP
-        sb = kg // mx.BLOCK
-        if mx_mode.startswith("expand"):
-            word = q_ref[slot, cols, pl.ds(kg // 2, half)].astype(jnp.int32)  # [bn, 64]
-            for h in range(2):
-                s_N2 = s_ref[slot, cols, pl.ds(sb + 2 * h, 2)]
-                if bit_decode:
-                    w = layout.e4m3_bits_scaled(word, h, cdt) * _expand_cols(layout.e4m3_bits_scale(s_N2, cdt),
-                                                                             mx.BLOCK)
-                else:
-                    code = word & mask if h == 0 else word >> bits
-                    w = (layout.decode_codes(code, fmt) * _expand_cols(mx.e8m0_to_f32(s_N2), mx.BLOCK)).astype(cdt)
-                acc_NM = acc_NM + _dot_nt(w, load_x(kg + h * half, half))
-        else:
-            for c in range(2):
-                word = q_ref[slot, cols, pl.ds(kg // 2 + c * mx.BLOCK, mx.BLOCK)].astype(jnp.int32)  # [bn, 32]
-                for h in range(2):
-                    piece = 2 * h + c
-                    s = mx.e8m0_to_f32(s_ref[slot, cols, pl.ds(sb + piece, 1)])  # [bn, 1]
-                    code = word & mask if h == 0 else word >> bits
-                    w = layout.decode_codes(code, fmt, cdt)
-                    acc_NM = acc_NM + _dot_nt(w, load_x(kg + piece * mx.BLOCK, mx.BLOCK)) * s
-    return acc_NM
-
-
-def _gate_up_kernel(slot_ref, tok_ref, x_ref, *refs, n_w: int, fmt: str, order: str, bm: int, kt: KernelTiles,
-                    nb: int, nt: int, group: int, mx_mode: str, gather: bool, alpha: float, limit: float):
+def _gate_up_kernel(slot_ref, x_ref, *refs, n_w: int, fmt: str, bm: int, kt: KernelTiles, nb: int, nt: int,
+                    group: int, mx_mode: str, alpha: float, limit: float):
     g_refs, u_refs, o_ref = refs[:n_w], refs[n_w:2 * n_w], refs[2 * n_w]
     b, j = _block_and_tile(nb, nt, group)
     slot = slot_ref[b]
@@ -210,36 +159,22 @@ def _gate_up_kernel(slot_ref, tok_ref, x_ref, *refs, n_w: int, fmt: str, order: 
     def _():
         row0 = pl.multiple_of(b * bm, bm)
         n0 = pl.multiple_of(j * kt.bn, kt.bn)
-        if gather:
-            # x is the [T, D] hidden state: each row's token is looked up here (a gathered tile load), so the
-            # sorted [M, D] copy of x never goes through HBM.
-            tok = tok_ref[pl.ds(row0, bm)][:, None]
-
-            def load_x(k, width):
-                col = k + jax.lax.broadcasted_iota(jnp.int32, (1, width), 1)
-                return plgpu.load(x_ref.at[tok, col])
-        else:
-            def load_x(k, width):
-                return x_ref[pl.ds(row0, bm), pl.ds(k, width)]
-
-        mac = functools.partial(_mac_nk if order == "nk" else _mac, load_x=load_x, slot=slot, col0=n0, fmt=fmt,
-                                bn=kt.bn, bk=kt.bk, mx_mode=mx_mode, cdt=x_ref.dtype)
+        mac = functools.partial(_mac, x_ref=x_ref, row0=row0, slot=slot, col0=n0, fmt=fmt, bm=bm, bn=kt.bn,
+                                bk=kt.bk, mx_mode=mx_mode)
 
         def step(i, accs):
             k0 = pl.multiple_of(i * kt.bk, kt.bk)
             return mac(accs[0], k0=k0, w_refs=g_refs), mac(accs[1], k0=k0, w_refs=u_refs)
 
-        zeros = jnp.zeros((kt.bn, bm) if order == "nk" else (bm, kt.bn), jnp.float32)
+        zeros = jnp.zeros((bm, kt.bn), jnp.float32)
         gate, up = jax.lax.fori_loop(0, x_ref.shape[1] // kt.bk, step, (zeros, zeros))
         # SwiGLU-OAI (the reference's own function) on the fp32 accumulators, before the one rounding to bf16.
         act = swiglu_oai(gate, up, alpha=alpha, limit=limit)
-        if order == "nk":
-            act = act.T
         o_ref[pl.ds(row0, bm), pl.ds(n0, kt.bn)] = act.astype(o_ref.dtype)
 
 
-def _down_kernel(slot_ref, rw_ref, a_ref, *refs, fmt: str, order: str, bm: int, kt: KernelTiles, nb: int,
-                 nt: int, group: int, mx_mode: str):
+def _down_kernel(slot_ref, rw_ref, a_ref, *refs, fmt: str, bm: int, kt: KernelTiles, nb: int, nt: int,
+                 group: int, mx_mode: str):
     w_refs, o_ref = refs[:-1], refs[-1]
     b, j = _block_and_tile(nb, nt, group)
     slot = slot_ref[b]
@@ -249,19 +184,12 @@ def _down_kernel(slot_ref, rw_ref, a_ref, *refs, fmt: str, order: str, bm: int, 
         row0 = pl.multiple_of(b * bm, bm)
         n0 = pl.multiple_of(j * kt.bn, kt.bn)
 
-        def load_x(k, width):
-            return a_ref[pl.ds(row0, bm), pl.ds(k, width)]
-
-        mac = functools.partial(_mac_nk if order == "nk" else _mac, load_x=load_x, w_refs=w_refs, slot=slot,
-                                col0=n0, fmt=fmt, bn=kt.bn, bk=kt.bk, mx_mode=mx_mode, cdt=a_ref.dtype)
-
         def step(i, acc):
-            return mac(acc, k0=pl.multiple_of(i * kt.bk, kt.bk))
+            k0 = pl.multiple_of(i * kt.bk, kt.bk)
+            return _mac(acc, a_ref, row0, k0, w_refs, slot, n0, fmt=fmt, bm=bm, bn=kt.bn, bk=kt.bk,
+                        mx_mode=mx_mode)
 
-        zeros = jnp.zeros((kt.bn, bm) if order == "nk" else (bm, kt.bn), jnp.float32)
-        acc = jax.lax.fori_loop(0, a_ref.shape[1] // kt.bk, step, zeros)
-        if order == "nk":
-            acc = acc.T
+        acc = jax.lax.fori_loop(0, a_ref.shape[1] // kt.bk, step, jnp.zeros((bm, kt.bn), jnp.float32))
         # The combine weight (routing weight * routed_scaling; 1 for the shared slot) is applied here, in fp32.
         rw = rw_ref[pl.ds(row0, bm)]
         o_ref[pl.ds(row0, bm), pl.ds(n0, kt.bn)] = (acc * rw[:, None]).astype(o_ref.dtype)
@@ -281,50 +209,47 @@ def _check_tiles(bm: int, kt: KernelTiles, k: int, n: int, fmt: str) -> None:
     assert kt.bk % layout.MX_GROUP == 0 or fmt == "dense", "MX tiles need bk a multiple of 128 (pair packing)"
 
 
-def gate_up(x: jax.Array, lay: RowLayout, experts: dict, tiles: MoeTiles, *, alpha: float, limit: float,
+def gate_up(x_MD: jax.Array, slot_B: jax.Array, experts: dict, tiles: MoeTiles, *, alpha: float, limit: float,
             interpret: bool = False) -> jax.Array:
-    """act [M, F] = SwiGLU-OAI(x_row @ gate[slot], x_row @ up[slot]) per row block. `x` is the sorted [M, D]
-    rows, or with `tiles.gather` the [T, D] hidden state that the kernel gathers rows from itself."""
-    fmt, order = layout.weight_format(experts), layout.weight_order(experts)
+    """act [M, F] = SwiGLU-OAI(x @ gate[slot], x @ up[slot]) per row block."""
+    fmt = layout.weight_format(experts)
     g_arrays, u_arrays = layout.weight_arrays(experts, "gate"), layout.weight_arrays(experts, "up")
-    D = x.shape[1]
-    M = lay.row_token_M.shape[0]
-    F = g_arrays[0].shape[1 if order == "nk" else -1]
-    kt, nb = tiles.gu, lay.slot_B.shape[0]
+    M, D = x_MD.shape
+    F = g_arrays[0].shape[-1]
+    kt, nb = tiles.gu, slot_B.shape[0]
     _check_tiles(tiles.bm, kt, D, F, fmt)
-    _check_offsets(x, *g_arrays, *u_arrays)
+    _check_offsets(x_MD, *g_arrays, *u_arrays)
     nt = F // kt.bn
-    kernel = functools.partial(_gate_up_kernel, n_w=len(g_arrays), fmt=fmt, order=order, bm=tiles.bm, kt=kt,
-                               nb=nb, nt=nt, group=min(tiles.group, nb), mx_mode=tiles.mx_mode, gather=tiles.gather,
-                               alpha=alpha, limit=limit)
+    kernel = functools.partial(_gate_up_kernel, n_w=len(g_arrays), fmt=fmt, bm=tiles.bm, kt=kt, nb=nb, nt=nt,
+                               group=min(tiles.group, nb), mx_mode=tiles.mx_mode, alpha=alpha, limit=limit)
     return pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((M, F), x.dtype),
+        out_shape=jax.ShapeDtypeStruct((M, F), x_MD.dtype),
         grid=(nb * nt,),
-        compiler_params=plgpu.CompilerParams(num_warps=kt.warps, num_stages=kt.stages),
+        compiler_params=pltriton.CompilerParams(num_warps=kt.warps, num_stages=kt.stages),
         interpret=interpret,
         name=f"moe_gate_up_{fmt}",
-    )(lay.slot_B, lay.row_token_M, x, *g_arrays, *u_arrays)
+    )(slot_B, x_MD, *g_arrays, *u_arrays)
 
 
 def down(act_MF: jax.Array, slot_B: jax.Array, row_weight_M: jax.Array, experts: dict, tiles: MoeTiles, *,
          interpret: bool = False) -> jax.Array:
     """y [M, D] = row_weight * (act @ down[slot]) per row block."""
-    fmt, order = layout.weight_format(experts), layout.weight_order(experts)
+    fmt = layout.weight_format(experts)
     w_arrays = layout.weight_arrays(experts, "down")
     M, F = act_MF.shape
-    D = w_arrays[0].shape[1 if order == "nk" else -1]
+    D = w_arrays[0].shape[-1]
     kt, nb = tiles.dn, slot_B.shape[0]
     _check_tiles(tiles.bm, kt, F, D, fmt)
     _check_offsets(act_MF, *w_arrays)
     nt = D // kt.bn
-    kernel = functools.partial(_down_kernel, fmt=fmt, order=order, bm=tiles.bm, kt=kt, nb=nb, nt=nt,
+    kernel = functools.partial(_down_kernel, fmt=fmt, bm=tiles.bm, kt=kt, nb=nb, nt=nt,
                                group=min(tiles.group, nb), mx_mode=tiles.mx_mode)
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((M, D), act_MF.dtype),
         grid=(nb * nt,),
-        compiler_params=plgpu.CompilerParams(num_warps=kt.warps, num_stages=kt.stages),
+        compiler_params=pltriton.CompilerParams(num_warps=kt.warps, num_stages=kt.stages),
         interpret=interpret,
         name=f"moe_down_{fmt}",
     )(slot_B, row_weight_M, act_MF, *w_arrays)
@@ -343,12 +268,8 @@ def kernel_tiles(num_tokens: int, experts: dict, *, tiles: MoeTiles | None = Non
     """The tiles for this call (the table's, fitted to the shapes), or None when the kernels cannot run it."""
     fmt = layout.weight_format(experts)
     gate = layout.weight_arrays(experts, "gate")
-    if fmt == "dense":
-        d_model, d_ff = gate[0].shape[1:]
-    elif layout.weight_order(experts) == "nk":
-        d_ff, d_model = gate[0].shape[1], gate[1].shape[2] * mx.BLOCK
-    else:
-        d_model, d_ff = gate[1].shape[1] * mx.BLOCK, gate[0].shape[-1]
+    d_model = gate[1].shape[1] * mx.BLOCK if fmt != "dense" else gate[0].shape[1]
+    d_ff = gate[0].shape[-1]
     return fit_tiles(tiles or pick_tiles(num_tokens, fmt, interpret=interpret), d_model, d_ff, fmt)
 
 
@@ -363,8 +284,8 @@ def routed_experts_pallas(h_TD: jax.Array, idx_TK: jax.Array, w_TK: jax.Array, e
         raise ValueError(f"no MoE tile fits these expert shapes ({fmt}); use the reference")
     lay = sort_and_pad(idx_TK, w_TK, num_slots=layout.num_slots(experts), shared_slot=shared_slot, bm=tiles.bm,
                        routed_scaling=routed_scaling)
-    x = h_TD if tiles.gather else h_TD[lay.row_token_M]
-    act_MF = gate_up(x, lay, experts, tiles, alpha=alpha, limit=limit, interpret=interpret)
+    x_MD = h_TD[lay.row_token_M]
+    act_MF = gate_up(x_MD, lay.slot_B, experts, tiles, alpha=alpha, limit=limit, interpret=interpret)
     y_MD = down(act_MF, lay.slot_B, lay.row_weight_M, experts, tiles, interpret=interpret)
     # Each token's k (+1) rows, gathered and summed in fp32: rows are owned by one program each, so the
     # combine needs no atomics and is deterministic.

@@ -34,17 +34,11 @@ _KEY = {"mxfp8": "q8", "mxfp4": "q4"}
 
 
 def weight_format(experts: dict) -> str:
-    if "gate_q8" in experts or "gate_q8_nk" in experts:
+    if "gate_q8" in experts:
         return "mxfp8"
-    if "gate_q4" in experts or "gate_q4_nk" in experts:
+    if "gate_q4" in experts:
         return "mxfp4"
     return "dense"
-
-
-def weight_order(experts: dict) -> str:
-    """"kn": MX words `[S, K/2, N]`, scales `[S, K/32, N]` (K-major, like the dense layout); "nk": words
-    `[S, N, K/2]`, scales `[S, N, K/32]` (the checkpoint's own row order; keys end in `_nk`)."""
-    return "nk" if any(k.endswith("_nk") for k in experts) else "kn"
 
 
 def weight_arrays(experts: dict, mat: str) -> tuple[jax.Array, ...]:
@@ -52,21 +46,7 @@ def weight_arrays(experts: dict, mat: str) -> tuple[jax.Array, ...]:
     fmt = weight_format(experts)
     if fmt == "dense":
         return (experts[mat],)
-    sfx = "_nk" if weight_order(experts) == "nk" else ""
-    return experts[f"{mat}_{_KEY[fmt]}{sfx}"], experts[f"{mat}_s{sfx}"]
-
-
-def to_order(experts: dict, order: str) -> dict:
-    """The MX arrays re-laid in `order` ("kn" | "nk"); dense experts are returned as they are."""
-    fmt = weight_format(experts)
-    if fmt == "dense" or weight_order(experts) == order:
-        return experts
-    out = {}
-    for mat in MATS:
-        q, s = weight_arrays(experts, mat)
-        sfx = "_nk" if order == "nk" else ""
-        out[f"{mat}_{_KEY[fmt]}{sfx}"], out[f"{mat}_s{sfx}"] = _kn(q), _kn(s)
-    return out
+    return experts[f"{mat}_{_KEY[fmt]}"], experts[f"{mat}_s"]
 
 
 def num_slots(experts: dict) -> int:
@@ -128,34 +108,6 @@ def decode_codes(codes: jax.Array, fmt: str, dtype: jnp.dtype = jnp.float32) -> 
     return mx.e2m1_to_f32(codes).astype(dtype)
 
 
-# e4m3 -> bf16 by moving bits: e4m3's sign, 4 exponent and 3 mantissa bits land in bf16's sign, the low 4 exponent
-# bits and the top 3 mantissa bits. Every e4m3 value (subnormals included) comes out exactly 2^-120 times its
-# value, since bf16's exponent bias is 127 against e4m3's 7; the block scale then carries the 2^120 back.
-E4M3_BITS_SHIFT = 120
-MAX_BIT_DECODE_SCALE = 254 - E4M3_BITS_SHIFT  # larger E8M0 bytes would overflow the folded scale's exponent
-
-
-def _bits_to(bits16: jax.Array, dtype: jnp.dtype) -> jax.Array:
-    """bf16 bit patterns (int32) -> values in `dtype` (bf16, or fp32 with the same value)."""
-    if jnp.dtype(dtype) == jnp.bfloat16:
-        return jax.lax.bitcast_convert_type(bits16.astype(jnp.uint16), jnp.bfloat16)
-    return jax.lax.bitcast_convert_type(bits16 << 16, jnp.float32).astype(dtype)
-
-
-def e4m3_bits_scaled(word: jax.Array, half: int, dtype: jnp.dtype) -> jax.Array:
-    """The e4m3 byte `half` (0: low, 1: high) of 16-bit words (int32) as 2^-120 * its value, in `dtype`."""
-    if half == 0:
-        bits = ((word & 0x7F) << 4) | ((word & 0x80) << 8)
-    else:
-        bits = ((word >> 4) & 0x7F0) | (word & 0x8000)
-    return _bits_to(bits, dtype)
-
-
-def e4m3_bits_scale(s: jax.Array, dtype: jnp.dtype) -> jax.Array:
-    """E8M0 bytes -> 2^(s - 127 + 120) in `dtype` (exact for s <= MAX_BIT_DECODE_SCALE)."""
-    return _bits_to((s.astype(jnp.int32) + E4M3_BITS_SHIFT) << 7, dtype)
-
-
 def quantize_experts(dense: dict, fmt: str) -> dict:
     """Dense `[S, K, N]` matrices -> the `fmt` kernel layout (quantised on the device they live on)."""
     if fmt == "dense":
@@ -177,7 +129,6 @@ def quantize_experts(dense: dict, fmt: str) -> dict:
 def dequantize_experts(experts: dict, dtype: jnp.dtype = jnp.float32) -> dict:
     """Any kernel layout -> dense {"gate", "up", "down"} `[S, K, N]` (the weights the kernels compute with)."""
     fmt = weight_format(experts)
-    experts = to_order(experts, "kn")
     out = {}
     for mat in MATS:
         if fmt == "dense":

@@ -21,8 +21,6 @@ Keys of `MoeTiles` (per kernel: `gu` = gate+up GEMM with the SwiGLU-OAI epilogue
   group   row blocks that run N-tile by N-tile together before the next group (L2 reuse, see above).
   mx_mode "expand": dequantise a whole [bk, bn] weight tile (scale broadcast over 32 K rows) before one dot;
           "subdot": one dot per 32-row scale block, scaling its [bm, bn] result (no in-kernel reshape).
-  gather  the gate+up kernel loads its rows of x straight from the [T, D] hidden state by token index, instead of
-          reading an [M, D] sorted copy that an XLA gather wrote first.
 """
 
 from __future__ import annotations
@@ -47,7 +45,6 @@ class MoeTiles:
     dn: KernelTiles
     group: int
     mx_mode: str = "expand"
-    gather: bool = False
 
     def replace(self, **kw: object) -> MoeTiles:
         return dataclasses.replace(self, **kw)  # type: ignore[arg-type]
@@ -72,10 +69,11 @@ GPU_TABLE: dict[tuple[str, str], MoeTiles] = {
     # The 64-row MXFP4 down kernel spills at 4 warps; 32 rows do not.
     ("mid", "mxfp4"): MoeTiles("mid", bm=32, gu=_K(bn=64, bk=128, warps=4, stages=4),
                                dn=_K(bn=128, bk=128, warps=4, stages=4), group=8),
-    # gate+up: a 128 x (2 x 128) output tile per program (two accumulators), the shape of the best plain Pallas
-    # matmul on this GPU (gpu.md); down: 128 x 128 (128 x 256 spills).
+    # gate+up: a 128 x (2 x 128) output tile per program (two accumulators); down: 128 x 256 with 3 stages, the
+    # shape of the best plain Pallas matmul on this GPU (gpu.md). T = 8192, same run: 10.24 ms against 11.12 ms
+    # with a 128 x 128 down tile at 4 stages (benchmarks/results/moe-h200-explore.json).
     ("prefill", "dense"): MoeTiles("prefill", bm=128, gu=_K(bn=128, bk=64, warps=8, stages=4),
-                                   dn=_K(bn=128, bk=64, warps=8, stages=4), group=16),
+                                   dn=_K(bn=256, bk=64, warps=8, stages=3), group=16),
     # MX tiles are widened in registers before the MMA: narrower gate+up tiles keep that spill-free.
     ("prefill", "mxfp8"): MoeTiles("prefill", bm=128, gu=_K(bn=64, bk=128, warps=8, stages=4),
                                    dn=_K(bn=128, bk=128, warps=8, stages=4), group=16),

@@ -439,6 +439,9 @@ VARIANTS = "tune"  # "tune": the sets the table was chosen from; "final": only t
 
 def _index_variants(kind: str, context: int, base: IndexTiles) -> list[IndexTiles]:
     r = dataclasses.replace
+    if VARIANTS == "final":
+        # The run-search metadata that one-row-per-request batches no longer use (same kernel tiles).
+        return [r(base, block_tokens=None)] if kind == "decode" and base.block_tokens else []
     if VARIANTS != "tune":
         return []
     if kind == "decode":

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from m3jax.batch import RowPlan, build_batch
-from pallas_kernels.attention import dispatch
+from pallas_kernels.attention import dispatch, tuning
 from pallas_kernels.attention import kernel as attn_kernel
 from pallas_kernels.attention import reference as attn_ref
 from pallas_kernels.attention.kv_write import write_pages_pallas, write_pages_xla
@@ -88,6 +88,23 @@ def test_select_blocks_equal_reference(data, topk_impl, local_blocks, init_block
                                          init_blocks=init_blocks, tiles=tiles, interpret=True)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))  # same ids in the same order
     assert (np.asarray(want) == -1).any()  # the short contexts really exercised the -1 padding
+
+
+def test_select_blocks_one_token_blocks_equal_reference():
+    """`block_tokens=1` (what one-row-per-request batches use) is exact on any batch, drafts and chunks too: each
+    token gets its own program with a mostly masked bt-row tile."""
+    rng = np.random.default_rng(5)
+    iq, ik = _ints(rng, BATCH.num_tokens, K, DI), _ints(rng, NUM_PAGES, PS, DI)
+    want = msa_ref.paged_select_blocks(iq, ik, *_args(), topk=TOPK, local_blocks=1)
+    got = msa_kernel.paged_select_blocks(iq, ik, *_args(), topk=TOPK, local_blocks=1,
+                                         tiles=IndexTiles(bt=4, bp=2, block_tokens=1), interpret=True)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_index_tiles_use_one_token_blocks_only_for_pure_decode():
+    assert tuning.index_tiles(64, 64, 256, 4).block_tokens == 1
+    assert tuning.index_tiles(256, 64, 256, 4).block_tokens is None  # 1 + 3 draft rows per request
+    assert tuning.index_tiles(8192, 1, 64, 4).block_tokens is None  # a prefill chunk
 
 
 def _selection(rng: np.random.Generator) -> jax.Array:

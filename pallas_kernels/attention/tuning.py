@@ -29,6 +29,10 @@ class IndexTiles:
     num_warps: int = 4
     num_stages: int = 3
     topk: str = "pallas"  # top-k over the block scores: "pallas" (msa.kernel.topk_blocks) or "xla" (lax.top_k)
+    # Tokens per query block (None: bt). 1 when every request has one row: each token is then its own block
+    # (nothing to share), the program's bt-row tile is mostly masked, and the block metadata is an iota instead
+    # of the run search's handful of small XLA kernels.
+    block_tokens: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +61,8 @@ def index_tiles(num_tokens: int, num_rows: int, pages_per_row: int, index_heads:
         # programs per SM (H200, batch 64, kernel alone: 8k 16 pages/program 1.77x its floor vs 8 pages 2.3x;
         # 32k 64 pages 1.32x; 128k 64 pages 1.24x, 32 pages 1.11-1.26x across runs).
         want = max(1, num_rows * pages_per_row // (2 * NUM_SMS))
-        return IndexTiles(bt=max(min_bt, _pow2_at_least(rows)), bp=min(64, max(8, _pow2_at_least(want))))
+        return IndexTiles(bt=max(min_bt, _pow2_at_least(rows)), bp=min(64, max(8, _pow2_at_least(want))),
+                          block_tokens=1 if num_tokens <= num_rows else None)
     # Prefill: compute-bound; M = 64 rows per dot (8k chunk: 180 us vs 237 us at M = 128), 8 pages per program
     # so causal-empty programs exit early.
     return IndexTiles(bt=max(min_bt, _pow2_at_least(max(1, 64 // index_heads))), bp=8)

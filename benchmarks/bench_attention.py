@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.devicewarm import warm_up_device
 from pallas_kernels.attention import dispatch, tuning
 from pallas_kernels.attention import kernel as attn_kernel
 from pallas_kernels.attention import reference as attn_ref
@@ -136,8 +137,8 @@ def time_auto(fn: Callable[..., Any], arg_sets: Sequence[tuple], small: bool) ->
     t_one = timeit(fn, arg_sets[:1], samples=1, inner=1)
     if t_one > 5e-3:
         return timeit(fn, arg_sets, samples=3, inner=1)
-    inner = max(1, min(20, int(2e-3 / max(t_one, 1e-6))))
-    return timeit(fn, arg_sets, samples=15, inner=inner)
+    inner = max(1, min(50, int(5e-3 / max(t_one, 1e-6))))
+    return timeit(fn, arg_sets, samples=25, inner=inner)
 
 
 # ---- inputs --------------------------------------------------------------------------------------------------
@@ -595,6 +596,7 @@ def main() -> None:
     ap.add_argument("--variants", choices=("tune", "final", "none"), default="tune",
                     help="tune: the tile sets the table was chosen from; final: the KV-layout experiment only")
     ap.add_argument("--budget-s", type=float, default=200.0, help="skip tile variants after this many seconds")
+    ap.add_argument("--warm-up-s", type=float, default=5.0, help="seconds of matmuls before the first timing")
     ap.add_argument("--render", metavar="JSON", help="print the markdown table of a results file and exit")
     a = ap.parse_args()
     global VARIANTS
@@ -615,6 +617,8 @@ def main() -> None:
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     rec = Recorder(a.out, meta)
     print(f"device={meta['device']} jax={jax.__version__} impl={meta['impl']}", flush=True)
+    if not a.small:
+        warm_up_device(a.warm_up_s)
 
     batch = 4 if a.small else a.batch
     contexts = [64, 256] if a.small else [int(c) for c in a.contexts.split(",") if c]

@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.devicewarm import warm_up_device
 from pallas_kernels.moe import kernel, layout, reference
 from pallas_kernels.moe.tiles import INTERPRET_TILES, KernelTiles, MoeTiles, pick_tiles, regime
 
@@ -148,6 +149,8 @@ def main() -> None:
     rev = git_rev()
     w = make_weights(jax.random.PRNGKey(0), E, D, F, dt)
     jax.block_until_ready(w)
+    if not args.interpret:
+        warm_up_device(5.0)
     log(f"weights ready on {device}, jax {jax.__version__}, rev {rev}")
     slot_bytes = {"bf16": 3 * D * F * 2, "mxfp8": 3 * D * F * (1 + 1 / 32), "mxfp4": 3 * D * F * (0.5 + 1 / 32)}
     results: list[dict[str, Any]] = []

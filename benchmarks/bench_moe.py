@@ -50,8 +50,12 @@ def candidates(T: int, fmt: str) -> list[MoeTiles]:
     out: list[MoeTiles] = []
     if fmt != "dense":
         out.append(base.replace(mx_mode="subdot") if reg != "prefill" else None)
+        out += [base.replace(mx_mode="expand_f16"), base.replace(mx_mode="subdot_f16")]
     if reg == "decode" and fmt != "dense":
         out.append(base.replace(gu=k(64, 128, 8, 4), dn=k(128, 128, 8, 4)))  # more warps to hide dequant latency
+        out += [base.replace(mx_mode="expand_f16", gu=k(64, 128, 8, 4), dn=k(128, 128, 8, 4)),
+                base.replace(mx_mode="expand_f16", gu=k(128, 128, 4, 4)),
+                base.replace(mx_mode="expand_f16", gu=k(64, 256, 4, 3), dn=k(128, 256, 4, 3))]
     if reg == "decode":
         out += [base.replace(gu=k(32, 128, 4, 4), dn=k(64, 128, 4, 4)) if T <= 8 else
                 base.replace(gu=k(128, 128, 4, 4), dn=k(128, 128, 4, 4)),
@@ -65,8 +69,8 @@ def candidates(T: int, fmt: str) -> list[MoeTiles]:
         out += [base.replace(bm=64, gu=k(64, 64 if fmt != "mxfp4" else 128, 4, 4), dn=k(128, 64, 4, 4)),
                 base.replace(group=32)]
         if fmt == "dense":
-            out += [base.replace(gu=k(128, 64, 8, 3), dn=k(128, 64, 8, 3)),
-                    base.replace(gu=k(64, 64, 8, 4), dn=k(128, 64, 8, 4))]
+            out += [base.replace(gu=k(128, 64, 8, 3)), base.replace(dn=k(256, 64, 8, 4)),
+                    base.replace(dn=k(128, 64, 8, 4)), base.replace(group=8)]
         else:
             out += [base.replace(gu=k(64, 128, 8, 3), dn=k(128, 128, 8, 3))]
     return [c for c in out if c is not None]
@@ -224,6 +228,7 @@ def main() -> None:
 
     ref_times: dict[int, float] = {}
     experts_by_fmt: dict[str, dict] = {}
+    rp_by_fmt: dict[str, dict] = {}
     for name in args.formats:
         fmt = FORMATS[name]
         # jit: fused quantisation, no full-size float intermediates on the device.
@@ -248,6 +253,8 @@ def main() -> None:
             rec = measure(T, name, experts, rp, tiles, ref_times.get(T), "moe_experts")
             if "error" in rec and fmt != "dense" and tiles.mx_mode == "expand":
                 measure(T, name, experts, rp, tiles.replace(mx_mode="subdot"), ref_times.get(T), "moe_experts")
+        if args.sweep and name in ("bf16", "mxfp8"):
+            rp_by_fmt[name] = rp  # the sweep checks each candidate against it too
         del rp
 
     # The two kernels alone (layout precomputed): what the glue (sort, gather, combine) adds at decode sizes.
@@ -286,9 +293,9 @@ def main() -> None:
     if args.sweep and not args.interpret:
         sweep_fmts = [f for f in ("bf16", "mxfp8") if f in experts_by_fmt]
         # Most telling first (the targets: decode and the largest prefill), so that a deadline cut loses the least.
-        order = [(1, "bf16"), (8192, "bf16"), (2048, "bf16"), (1, "mxfp8"), (8192, "mxfp8"), (32, "mxfp8"),
-                 (512, "bf16"), (128, "mxfp8"), (2048, "mxfp8"), (32, "bf16"), (128, "bf16"), (8, "bf16"),
-                 (512, "mxfp8"), (8, "mxfp8")]
+        order = [(1, "mxfp8"), (32, "mxfp8"), (128, "mxfp8"), (8192, "bf16"), (8, "mxfp8"), (8192, "mxfp8"),
+                 (1, "bf16"), (2048, "bf16"), (512, "bf16"), (2048, "mxfp8"), (32, "bf16"), (128, "bf16"),
+                 (8, "bf16"), (512, "mxfp8")]
         order = [(T, f) for T, f in order if T in args.tokens and f in sweep_fmts]
         plan = []
         for T, name in order:
@@ -297,7 +304,7 @@ def main() -> None:
             if time.perf_counter() - T0 > args.deadline:
                 log("deadline: stopping the sweep")
                 break
-            measure(T, name, experts_by_fmt[name], None, c, ref_times.get(T), "moe_sweep")
+            measure(T, name, experts_by_fmt[name], rp_by_fmt.get(name), c, ref_times.get(T), "moe_sweep")
     save()
     log(f"wrote {len(results)} records to {out_path}")
     print("\n| T | dtype | time ms | floor ms | ratio | ragged_dot ms | speedup | rel err |")

@@ -127,28 +127,16 @@ def _mac(acc: jax.Array, x_ref, row0: jax.Array, k0: jax.Array, w_refs: tuple, s
     bits = 8 if fmt == "mxfp8" else 4
     mask = (1 << bits) - 1
     half = layout.MX_GROUP // 2
-    # "_f16" modes multiply in fp16: e4m3 widens to fp16 in one hardware conversion per pair of elements (to bf16
-    # it takes three), and x goes to fp16 once per tile.
-    f16 = mx_mode.endswith("_f16")
-    mdt = jnp.float16 if f16 else cdt
-
-    def x_tile(k, width):
-        x = x_ref[rows, pl.ds(k, width)]
-        return x.astype(mdt) if f16 else x
-
     for g in range(bk // layout.MX_GROUP):
         kg = k0 + g * layout.MX_GROUP
         sb = kg // mx.BLOCK  # first scale row of the group
-        if mx_mode.startswith("expand"):
+        if mx_mode == "expand":
             # Widen a whole [64, bn] half tile (scale broadcast over its 32-row blocks), then one dot.
             word = q_ref[slot, pl.ds(kg // 2, half), cols].astype(jnp.int32)
             for h, code in enumerate((word & mask, word >> bits)):
                 s = mx.e8m0_to_f32(s_ref[slot, pl.ds(sb + 2 * h, 2), cols])
-                if f16:
-                    w = layout.decode_codes(code, fmt, mdt) * _expand_rows(s.astype(mdt), mx.BLOCK)
-                else:
-                    w = (layout.decode_codes(code, fmt) * _expand_rows(s, mx.BLOCK)).astype(cdt)
-                acc = acc + _dot(x_tile(kg + h * half, half), w)
+                w = (layout.decode_codes(code, fmt) * _expand_rows(s, mx.BLOCK)).astype(cdt)
+                acc = acc + _dot(x_ref[rows, pl.ds(kg + h * half, half)], w)
         else:
             # "subdot": widen straight to the compute dtype, one dot per 32-row scale block, scale its result.
             for c in range(2):
@@ -156,8 +144,8 @@ def _mac(acc: jax.Array, x_ref, row0: jax.Array, k0: jax.Array, w_refs: tuple, s
                 for h, code in enumerate((word & mask, word >> bits)):
                     piece = 2 * h + c  # which 32-block of the group these K elements are
                     s = mx.e8m0_to_f32(s_ref[slot, pl.ds(sb + piece, 1), cols])
-                    w = layout.decode_codes(code, fmt, mdt)
-                    acc = acc + _dot(x_tile(kg + piece * mx.BLOCK, mx.BLOCK), w) * s
+                    w = layout.decode_codes(code, fmt, cdt)
+                    acc = acc + _dot(x_ref[rows, pl.ds(kg + piece * mx.BLOCK, mx.BLOCK)], w) * s
     return acc
 
 

@@ -64,6 +64,11 @@ _K = KernelTiles
 GPU_TABLE: dict[tuple[str, str], MoeTiles] = {
     ("decode", "dense"): MoeTiles("decode", bm=16, gu=_K(bn=64, bk=128, warps=4, stages=4),
                                   dn=_K(bn=128, bk=128, warps=4, stages=4), group=1),
+    # MXFP8 decode is bound by widening the bytes in registers, not by HBM: 8 warps per program hide more of that
+    # latency (H200, T = 1 / 8 / 32 / 128: 2.05 / 1.67 / 1.57 / 1.65x the floor against 2.76 / 2.03 / 1.86 /
+    # 1.88x with 4 warps, benchmarks/results/moe-h200-sweep.json).
+    ("decode", "mxfp8"): MoeTiles("decode", bm=16, gu=_K(bn=64, bk=128, warps=8, stages=4),
+                                  dn=_K(bn=128, bk=128, warps=8, stages=4), group=1),
     ("mid", "dense"): MoeTiles("mid", bm=64, gu=_K(bn=64, bk=128, warps=4, stages=4),
                                dn=_K(bn=128, bk=128, warps=4, stages=4), group=8),
     # The 64-row MXFP4 down kernel spills at 4 warps; 32 rows do not.

@@ -443,6 +443,8 @@ def _index_variants(kind: str, context: int, base: IndexTiles) -> list[IndexTile
     if VARIANTS == "final":
         # The run-search metadata that one-row-per-request batches no longer use (same kernel tiles).
         return [r(base, block_tokens=None)] if kind == "decode" and base.block_tokens else []
+    if VARIANTS == "depth":
+        return [r(base, num_stages=4), r(base, num_stages=2), r(base, num_warps=2)] if kind == "decode" else []
     if VARIANTS != "tune":
         return []
     if kind == "decode":
@@ -455,6 +457,13 @@ def _sparse_variants(kind: str, context: int, base: AttentionTiles) -> list[Atte
     r = dataclasses.replace
     if VARIANTS == "final":
         return [r(base, num_warps=8)] if kind == "decode" else []
+    if VARIANTS == "depth":
+        # More loads in flight per multiprocessor: narrower key steps with deeper pipelines, or 3 stages so that
+        # two programs fit per multiprocessor (the 8k rows of the earlier sweep caught the GPU's clock ramp).
+        if kind != "decode":
+            return []
+        return [r(base, num_stages=3), r(base, key_tile=32, num_stages=6), r(base, key_tile=32, num_stages=8),
+                r(base, key_tile=32, num_stages=4)]
     if VARIANTS != "tune":
         return []
     if kind == "decode":
@@ -593,8 +602,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--contexts", default="8192,32768,131072")
     ap.add_argument("--prefill", type=int, default=8192)
-    ap.add_argument("--variants", choices=("tune", "final", "none"), default="tune",
-                    help="tune: the tile sets the table was chosen from; final: the KV-layout experiment only")
+    ap.add_argument("--variants", choices=("tune", "final", "depth", "none"), default="tune",
+                    help="tune: the tile sets the table was chosen from; final: the KV-layout experiment and "
+                         "the index metadata; depth: pipeline-depth variants of the decode kernels")
     ap.add_argument("--budget-s", type=float, default=200.0, help="skip tile variants after this many seconds")
     ap.add_argument("--warm-up-s", type=float, default=5.0, help="seconds of matmuls before the first timing")
     ap.add_argument("--render", metavar="JSON", help="print the markdown table of a results file and exit")

@@ -171,12 +171,13 @@ def test_kernel_equals_reference(fmt: str, routing: str) -> None:
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5 * float(jnp.abs(want).max()))
 
 
+@pytest.mark.parametrize("mode", ["subdot", "subdot_f32"])
 @pytest.mark.parametrize("fmt", ["mxfp8", "mxfp4"])
-def test_kernel_subdot_mode_equals_expand(fmt: str) -> None:
+def test_kernel_subdot_mode_equals_expand(fmt: str, mode: str) -> None:
     p = prepare_moe(moe_params(5), fmt)
     h = hidden(6, 19)
     a = kernel.moe_pallas(h, p, interpret=True, tiles=INTERPRET_TILES, **KW)
-    b = kernel.moe_pallas(h, p, interpret=True, tiles=INTERPRET_TILES.replace(mx_mode="subdot"), **KW)
+    b = kernel.moe_pallas(h, p, interpret=True, tiles=INTERPRET_TILES.replace(mx_mode=mode), **KW)
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5 * float(jnp.abs(a).max()))
 
 

@@ -127,24 +127,32 @@ def _mac(acc: jax.Array, x_ref, row0: jax.Array, k0: jax.Array, w_refs: tuple, s
     bits = 8 if fmt == "mxfp8" else 4
     mask = (1 << bits) - 1
     half = layout.MX_GROUP // 2
+    # "subdot_f32": an offline prototype (benchmarks/kernel_sass.py; not timed on a GPU), subdot with its codes
+    # widened through f32 (HADD2.F32 + F2FP pack in SASS) instead of Triton's direct e4m3 -> bf16 path, which
+    # costs one F2F.BF16.F16 conversion per element.
+    base, via_f32 = mx_mode.split("_")[0], mx_mode == "subdot_f32"
+
+    def halves(rows_k: pl.Slice) -> tuple[jax.Array, jax.Array]:
+        word = q_ref[slot, rows_k, cols].astype(jnp.int32)
+        return word & mask, word >> bits
+
     for g in range(bk // layout.MX_GROUP):
         kg = k0 + g * layout.MX_GROUP
         sb = kg // mx.BLOCK  # first scale row of the group
-        if mx_mode == "expand":
+        if base == "expand":
             # Widen a whole [64, bn] half tile (scale broadcast over its 32-row blocks), then one dot.
-            word = q_ref[slot, pl.ds(kg // 2, half), cols].astype(jnp.int32)
-            for h, code in enumerate((word & mask, word >> bits)):
+            for h, code in enumerate(halves(pl.ds(kg // 2, half))):
                 s = mx.e8m0_to_f32(s_ref[slot, pl.ds(sb + 2 * h, 2), cols])
                 w = (layout.decode_codes(code, fmt) * _expand_rows(s, mx.BLOCK)).astype(cdt)
                 acc = acc + _dot(x_ref[rows, pl.ds(kg + h * half, half)], w)
         else:
             # "subdot": widen straight to the compute dtype, one dot per 32-row scale block, scale its result.
             for c in range(2):
-                word = q_ref[slot, pl.ds(kg // 2 + c * mx.BLOCK, mx.BLOCK), cols].astype(jnp.int32)
-                for h, code in enumerate((word & mask, word >> bits)):
+                for h, code in enumerate(halves(pl.ds(kg // 2 + c * mx.BLOCK, mx.BLOCK))):
                     piece = 2 * h + c  # which 32-block of the group these K elements are
                     s = mx.e8m0_to_f32(s_ref[slot, pl.ds(sb + piece, 1), cols])
-                    w = layout.decode_codes(code, fmt, cdt)
+                    w = (layout.decode_codes(code, fmt).astype(cdt) if via_f32
+                         else layout.decode_codes(code, fmt, cdt))
                     acc = acc + _dot(x_ref[rows, pl.ds(kg + piece * mx.BLOCK, mx.BLOCK)], w) * s
     return acc
 

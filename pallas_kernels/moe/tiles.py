@@ -21,6 +21,8 @@ Keys of `MoeTiles` (per kernel: `gu` = gate+up GEMM with the SwiGLU-OAI epilogue
   group   row blocks that run N-tile by N-tile together before the next group (L2 reuse, see above).
   mx_mode "expand": dequantise a whole [bk, bn] weight tile (scale broadcast over 32 K rows) before one dot;
           "subdot": one dot per 32-row scale block, scaling its [bm, bn] result (no in-kernel reshape).
+          "subdot_f32": subdot with the bytes widened through f32 (no F2F.BF16 conversion per element); an
+          offline-compiled prototype (benchmarks/kernel_sass.py), not yet timed. Override: M3JAX_MOE_MX_MODE.
 """
 
 from __future__ import annotations

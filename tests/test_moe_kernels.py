@@ -181,6 +181,45 @@ def test_kernel_subdot_mode_equals_expand(fmt: str, mode: str) -> None:
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5 * float(jnp.abs(a).max()))
 
 
+def _prmt(a: np.ndarray, sel: int) -> np.ndarray:
+    """PTX prmt.b32 d, a, 0, sel (default mode): byte i of d is byte (sel >> 4i) & 7 of {a, 0}."""
+    out = np.zeros_like(a)
+    for i in range(4):
+        src = (sel >> (4 * i)) & 7
+        byte = (a >> (8 * src)) & 0xFF if src < 4 else np.zeros_like(a)
+        out |= byte << (8 * i)
+    return out
+
+
+def test_e4m3_pair_widening_steps() -> None:
+    """The "expand_asm" PTX, step by step in numpy from the same constants: every e4m3 code (both bytes of both
+    words of a register) comes out as bf16 bits of exactly 2^-120 times its value, and the folded scale gives
+    2^(s - 7). (The PTX text itself runs only on a GPU; interpret mode computes "expand_asm" the "expand" way.)"""
+    codes = np.array([c for c in range(256) if c & 0x7F != 0x7F], np.uint32)  # all but the NaNs
+    rng = np.random.default_rng(0)
+    b = rng.choice(codes, size=(4, 4096))
+    reg = b[0] | (b[1] << 8) | (b[2] << 16) | (b[3] << 24)  # two words: (b0 lo, b1 hi), (b2 lo, b3 hi)
+    fp8 = mx.FP8
+    for sel, (first, second) in zip(layout.E4M3_BF16_PRMT, ((b[0], b[2]), (b[1], b[3])), strict=True):
+        x = _prmt(reg, sel)
+        y = (x & layout.E4M3_BF16_SIGN) | ((x >> layout.E4M3_BF16_SHIFT) & layout.E4M3_BF16_MAG)
+        for lane, want in ((y & 0xFFFF, first), (y >> 16, second)):
+            got = (lane.astype(np.uint32) << 16).view(np.float32).astype(np.float64) * 2.0**120
+            np.testing.assert_array_equal(got, want.astype(np.uint8).view(fp8).astype(np.float64))
+    s = jnp.arange(1, layout.E4M3_BF16_MAX_SCALE + 1, dtype=jnp.uint8)
+    np.testing.assert_array_equal(np.asarray(layout.e4m3_bf16_scale(s).astype(jnp.float32)),
+                                  np.ldexp(1.0, np.arange(1, layout.E4M3_BF16_MAX_SCALE + 1) - 7))
+    assert all("mul.rn.bf16x2" in layout.e4m3_pair_widening_ptx(h) for h in (0, 1))
+
+
+def test_expand_asm_mode_runs_as_expand_in_interpret_mode() -> None:
+    p = prepare_moe(moe_params(5), "mxfp8")
+    h = hidden(6, 19)
+    a = kernel.moe_pallas(h, p, interpret=True, tiles=INTERPRET_TILES, **KW)
+    b = kernel.moe_pallas(h, p, interpret=True, tiles=INTERPRET_TILES.replace(mx_mode="expand_asm"), **KW)
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_mx_weights_differ_from_dense() -> None:
     """The MX tests would pass vacuously if quantisation were a no-op: it is not."""
     p = moe_params(3)

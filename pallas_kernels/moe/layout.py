@@ -108,6 +108,38 @@ def decode_codes(codes: jax.Array, fmt: str, dtype: jnp.dtype = jnp.float32) -> 
     return mx.e2m1_to_f32(codes).astype(dtype)
 
 
+# e4m3 pairs -> bf16 pairs by bit moves in one 32-bit register (the "expand_asm" kernel mode's inline PTX, which
+# these constants build; tests/test_moe_kernels.py emulates the same steps). A register holds two of our 16-bit
+# words, i.e. bytes [lo(w0), hi(w0), lo(w1), hi(w1)]. PRMT puts one byte of each word into the high byte of a
+# 16-bit lane, (x & SIGN) | ((x >> 4) & MAG) moves e4m3's sign / exponent / mantissa into bf16's fields: the bf16
+# is exactly 2^-120 times the e4m3 value, subnormals included (they become bf16 subnormals, which the packed bf16
+# multiply keeps). The block scale carries the 2^120: 2^(s - 7), bf16 bits (s + 120) << 7, exact for
+# s <= E4M3_BF16_MAX_SCALE.
+E4M3_BF16_PRMT = (0x2404, 0x3414)  # byte selectors: low bytes of the two words, high bytes of the two words
+E4M3_BF16_SIGN, E4M3_BF16_MAG, E4M3_BF16_SHIFT = 0x80008000, 0x07F007F0, 4
+E4M3_BF16_BIAS = 120
+E4M3_BF16_MAX_SCALE = 254 - E4M3_BF16_BIAS
+
+
+def e4m3_pair_widening_ptx(half: int) -> str:
+    """Inline PTX: $1 = two 16-bit words, $2 = a bf16x2 block scale -> $0 = bf16x2 of the words' low (half 0) or
+    high (half 1) bytes, scaled. (One result per asm: Pallas' Triton lowering takes a single result.)"""
+    return f"""{{
+.reg .b32 a, t;
+prmt.b32 a, $1, 0, {E4M3_BF16_PRMT[half]:#x};
+shr.b32 t, a, {E4M3_BF16_SHIFT};
+and.b32 t, t, {E4M3_BF16_MAG:#x};
+lop3.b32 a, a, {E4M3_BF16_SIGN:#x}, t, 0xEA;
+mul.rn.bf16x2 $0, a, $2;
+}}"""
+
+
+def e4m3_bf16_scale(s: jax.Array) -> jax.Array:
+    """E8M0 bytes -> bf16 2^(s - 7): the block scale times the 2^120 that the bit-moved e4m3 values lack."""
+    bits = (s.astype(jnp.int32) + E4M3_BF16_BIAS) << 7
+    return jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.bfloat16)
+
+
 def quantize_experts(dense: dict, fmt: str) -> dict:
     """Dense `[S, K, N]` matrices -> the `fmt` kernel layout (quantised on the device they live on)."""
     if fmt == "dense":

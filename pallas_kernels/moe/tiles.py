@@ -23,6 +23,9 @@ Keys of `MoeTiles` (per kernel: `gu` = gate+up GEMM with the SwiGLU-OAI epilogue
           "subdot": one dot per 32-row scale block, scaling its [bm, bn] result (no in-kernel reshape).
           "subdot_f32": subdot with the bytes widened through f32 (no F2F.BF16 conversion per element); an
           offline-compiled prototype (benchmarks/kernel_sass.py), not yet timed. Override: M3JAX_MOE_MX_MODE.
+          "expand_asm" (MXFP8): e4m3 pairs widened by inline PTX bit moves and a packed bf16 scale multiply
+          (layout.e4m3_pair_widening_ptx): 29-31% fewer instructions than "expand" offline, not yet timed;
+          E8M0 scales must be <= 134. Runs as "expand" in interpret mode.
 """
 
 from __future__ import annotations

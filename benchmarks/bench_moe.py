@@ -68,7 +68,8 @@ def candidates(T: int, fmt: str) -> list[MoeTiles]:
                 base.replace(bm=16, group=16),
                 pick_tiles(8192, fmt).replace(regime="mid")]
     else:
-        out += [base.replace(bm=64, gu=k(64, 64 if fmt != "mxfp4" else 128, 4, 4), dn=k(128, 64, 4, 4)),
+        out += [base.replace(bm=64, gu=k(64, 64 if fmt == "dense" else 128, 4, 4),
+                                 dn=k(128, 64 if fmt == "dense" else 128, 4, 4)),
                 base.replace(group=32)]
         if fmt == "dense":
             g3 = k(128, 64, 8, 3)

@@ -130,7 +130,7 @@ def _mac(acc: jax.Array, x_ref, row0: jax.Array, k0: jax.Array, w_refs: tuple, s
     # "subdot_f32": an offline prototype (benchmarks/kernel_sass.py; not timed on a GPU), subdot with its codes
     # widened through f32 (HADD2.F32 + F2FP pack in SASS) instead of Triton's direct e4m3 -> bf16 path, which
     # costs one F2F.BF16.F16 conversion per element.
-    base, via_f32 = mx_mode.split("_")[0], mx_mode == "subdot_f32"
+    via_f32 = mx_mode == "subdot_f32"
 
     def halves(rows_k: pl.Slice) -> tuple[jax.Array, jax.Array]:
         word = q_ref[slot, rows_k, cols].astype(jnp.int32)
@@ -149,7 +149,7 @@ def _mac(acc: jax.Array, x_ref, row0: jax.Array, k0: jax.Array, w_refs: tuple, s
                     layout.e4m3_pair_widening_ptx(h), args=[word, s], constraints="=r,r,r", pack=2,
                     result_shape_dtypes=[jax.ShapeDtypeStruct(word.shape, jnp.bfloat16)])
                 acc = acc + _dot(x_ref[rows, pl.ds(kg + h * half, half)], w.astype(cdt))
-        elif base == "expand":
+        elif mx_mode in ("expand", "expand_asm"):  # expand_asm on MXFP4: no PTX path, the plain expand
             # Widen a whole [64, bn] half tile (scale broadcast over its 32-row blocks), then one dot.
             for h, code in enumerate(halves(pl.ds(kg // 2, half))):
                 s = mx.e8m0_to_f32(s_ref[slot, pl.ds(sb + 2 * h, 2), cols])

@@ -61,10 +61,10 @@ MID_MAX_T = 2048
 
 # Keyed by (regime, format); a format without its own entry uses the "dense" one. The dense entries were timed
 # on one H200 (benchmarks/bench_moe.py; docs/benchmarks.md "MoE kernels": decode at 1.03-1.05x of the weight-
-# streaming floor for T = 8..128, prefill 447 TFLOP/s at T = 8192 with 4 stages against 428 with 3). The MX
-# entries are chosen from offline Triton 3.6 sm_90 builds (no register spills, no local memory); they were not
-# timed in their final layout. Every entry fits two or more programs per multiprocessor where the regime is
-# bandwidth-bound.
+# streaming floor for T = 8..128, prefill 447 TFLOP/s at T = 8192 with 4 stages against 428 with 3). The MXFP8
+# decode entry was timed too (below); the other MX entries are chosen from offline Triton 3.6 sm_90 builds (no
+# register spills, no local memory) and were not timed in their final layout. Every entry fits two or more
+# programs per multiprocessor where the regime is bandwidth-bound.
 _K = KernelTiles
 GPU_TABLE: dict[tuple[str, str], MoeTiles] = {
     ("decode", "dense"): MoeTiles("decode", bm=16, gu=_K(bn=64, bk=128, warps=4, stages=4),

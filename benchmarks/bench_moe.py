@@ -74,7 +74,8 @@ def candidates(T: int, fmt: str) -> list[MoeTiles]:
         if fmt == "dense":
             g3 = k(128, 64, 8, 3)
             out += [base.replace(gu=g3), base.replace(gu=g3, group=8), base.replace(gu=g3, group=24),
-                    base.replace(gu=k(128, 32, 8, 6), dn=k(256, 32, 8, 5))]
+                    base.replace(gu=k(128, 32, 8, 6), dn=k(256, 32, 8, 5)),
+                    base.replace(dn=k(256, 64, 8, 4)), base.replace(group=4)]
         else:
             out += [base.replace(gu=k(64, 128, 8, 3), dn=k(128, 128, 8, 3))]
     return [c for c in out if c is not None]
@@ -148,6 +149,12 @@ def main() -> None:
                     help="time the ragged_dot reference only up to this T (it takes 0.6 s a call at 8192)")
     ap.add_argument("--hbm-tbps", type=float, default=4.3)
     ap.add_argument("--peak-tflops", type=float, default=790.0)
+    ap.add_argument("--mx-modes", nargs="+", default=None,
+                    help="MX formats: time these mx_modes too, each on the table's tiles (same weights and inputs)")
+    ap.add_argument("--sweep-cases", nargs="+", default=None, metavar="T:FORMAT",
+                    help="sweep only these cases (e.g. 8192:bf16 1:mxfp8), in this order")
+    ap.add_argument("--kernels-only-tokens", type=int, nargs="+", default=[1, 8, 32, 128],
+                    help="also time the two kernels alone (layout precomputed) at these T")
     ap.add_argument("--out", default="benchmarks/results/moe-h200.json")
     args = ap.parse_args()
 
@@ -260,6 +267,10 @@ def main() -> None:
             rec = measure(T, name, experts, rp, tiles, ref_times.get(T), "moe_experts")
             if "error" in rec and fmt != "dense" and tiles.mx_mode == "expand":
                 measure(T, name, experts, rp, tiles.replace(mx_mode="subdot"), ref_times.get(T), "moe_experts")
+            if fmt != "dense" and not args.interpret:
+                for mode in args.mx_modes or []:
+                    if mode != tiles.mx_mode:
+                        measure(T, name, experts, rp, tiles.replace(mx_mode=mode), ref_times.get(T), "moe_mx_mode")
         if args.sweep and name in ("bf16", "mxfp8"):
             rp_by_fmt[name] = rp  # the sweep checks each candidate against it too
         del rp
@@ -270,7 +281,7 @@ def main() -> None:
         act = kernel.gate_up(x_MD, slot_B, experts, tiles, alpha=ALPHA, limit=LIMIT, interpret=args.interpret)
         return kernel.down(act, slot_B, row_weight_M, experts, tiles, interpret=args.interpret)
 
-    for T in [t for t in args.tokens if t <= 128]:
+    for T in [t for t in args.tokens if t in args.kernels_only_tokens]:
         for name in [f for f in args.formats if f not in args.skip_main]:
             if time.perf_counter() - T0 > args.deadline:
                 break
@@ -303,6 +314,8 @@ def main() -> None:
         order = [(1, "mxfp8"), (32, "mxfp8"), (128, "mxfp8"), (8, "mxfp8"), (8192, "bf16"), (1, "bf16"),
                  (2048, "bf16"), (512, "bf16"), (8192, "mxfp8"), (2048, "mxfp8"), (32, "bf16"), (128, "bf16"),
                  (8, "bf16"), (512, "mxfp8")]
+        if args.sweep_cases:
+            order = [(int(c.split(":")[0]), c.split(":")[1]) for c in args.sweep_cases]
         order = [(T, f) for T, f in order if T in args.tokens and f in sweep_fmts]
         plan = []
         for T, name in order:

@@ -48,7 +48,7 @@ def candidates(T: int, fmt: str) -> list[MoeTiles]:
     base = pick_tiles(T, fmt)
     reg = regime(T)
     out: list[MoeTiles] = []
-    if fmt != "dense":
+    if fmt != "dense" and base.mx_mode == "expand":
         out.append(base.replace(mx_mode="subdot") if reg != "prefill" else None)
     if reg == "decode" and fmt != "dense":
         # Around the 8-warp table entry: MX decode is bound by the in-register widening (latency), not by HBM.
@@ -56,7 +56,14 @@ def candidates(T: int, fmt: str) -> list[MoeTiles]:
                 base.replace(gu=k(64, 128, 16, 4), dn=k(128, 128, 16, 4)),
                 base.replace(gu=k(64, 256, 8, 3), dn=k(128, 256, 8, 3)),
                 base.replace(gu=k(128, 128, 8, 4)),
-                base.replace(gu=k(64, 128, 8, 5), dn=k(128, 128, 8, 5))]
+                base.replace(gu=k(64, 128, 8, 5), dn=k(128, 128, 8, 5)),
+                # Fewer stages: smaller shared-memory footprint, so three 8-warp programs fit per SM.
+                base.replace(gu=k(64, 128, 8, 3), dn=k(128, 128, 8, 3)),
+                base.replace(gu=k(64, 128, 8, 2), dn=k(128, 128, 8, 2)),
+                base.replace(gu=k(64, 128, 16, 3), dn=k(128, 128, 16, 3)),
+                base.replace(gu=k(64, 128, 4, 3), dn=k(128, 128, 4, 3)),
+                base.replace(gu=k(32, 128, 8, 3), dn=k(64, 128, 8, 3)),
+                base.replace(gu=k(32, 128, 4, 4), dn=k(64, 128, 4, 4))]
         return [c for c in out if c is not None]
     if reg == "decode":
         out += [base.replace(gu=k(32, 128, 4, 4), dn=k(64, 128, 4, 4)) if T <= 8 else

@@ -73,9 +73,11 @@ def sparse_tiles(num_tokens: int, num_rows: int, topk: int, heads_per_group: int
     if rows <= DECODE_ROWS_PER_REQUEST:
         # One token per program reading its own topk pages (no union list to build); not split: the merge of
         # split partials cost more than the parallelism gained (32k, batch 64: 94 us unsplit, 102-160 us split).
-        # Half-page key steps with 4 stages keep more loads in flight (8k / 32k / 128k: 1.49 / 1.42 / 1.51x
-        # the floor, against 1.99 / 1.51 / 1.87x with whole pages and 3 stages).
-        return AttentionTiles(bt=1, pages_per_split=topk, num_stages=4, key_tile=64)
+        # Half-page key steps (whole pages with 3 stages: 1.99 / 1.51 / 1.87x the floor at 8k / 32k / 128k).
+        # 3 stages, not 4: 70 KB of shared memory instead of 102 KB, so three programs share a multiprocessor
+        # instead of two (same run: 78.9 / 78.6 / 84.6 us against 86.7 / 87.0 / 83.1 us with 4 stages,
+        # benchmarks/results/attention-h200-depth.json).
+        return AttentionTiles(bt=1, pages_per_split=topk, num_stages=3, key_tile=64)
     # Prefill: a block of 4 tokens reads the union of their selections once, each token masked to its own
     # (random selections at an 8k chunk: 3.5 ms, against 5.6 ms one token per program and 8.0 ms for 8 tokens;
     # real selections of neighbouring tokens overlap more, which favours the union).

@@ -80,9 +80,9 @@ def candidates(T: int, fmt: str) -> list[MoeTiles]:
                 base.replace(group=32)]
         if fmt == "dense":
             g3 = k(128, 64, 8, 3)
-            out += [base.replace(gu=g3), base.replace(gu=g3, group=8), base.replace(gu=g3, group=24),
-                    base.replace(gu=k(128, 32, 8, 6), dn=k(256, 32, 8, 5)),
-                    base.replace(dn=k(256, 64, 8, 4)), base.replace(group=4)]
+            # Launch-order groups around the table's 4 (the x tiles of a group's row blocks share L2).
+            out += [base.replace(group=g) for g in (1, 2, 6, 8, 16) if g != base.group]
+            out += [base.replace(gu=g3), base.replace(dn=k(256, 64, 8, 4))]
         else:
             out += [base.replace(gu=k(64, 128, 8, 3), dn=k(128, 128, 8, 3))]
     return [c for c in out if c is not None]

@@ -33,7 +33,7 @@ def prepare_moe(moe: dict[str, Any], fmt: str = "bf16", *, keep_reference: bool 
     if fmt != "bf16" and (d_model % layout.MX_GROUP or d_ff % layout.MX_GROUP):
         raise ValueError(f"{fmt} kernel layout needs D={d_model} and F={d_ff} multiples of {layout.MX_GROUP}")
     dense = layout.stack_dense(moe)
-    experts = layout.quantize_experts(dense, "dense" if fmt == "bf16" else fmt)
+    experts = layout.mark_wide_scales(layout.quantize_experts(dense, "dense" if fmt == "bf16" else fmt))
     out = dict(moe) if keep_reference else {k: moe[k] for k in ("router", "router_bias")}
     if not keep_reference and "shared" in moe and dense["gate"].shape[0] != moe["router"].shape[1] + 1:
         out["shared"] = moe["shared"]  # not stackable (other width): it stays a dense MLP

@@ -127,10 +127,6 @@ def _mac(acc: jax.Array, x_ref, row0: jax.Array, k0: jax.Array, w_refs: tuple, s
     bits = 8 if fmt == "mxfp8" else 4
     mask = (1 << bits) - 1
     half = layout.MX_GROUP // 2
-    # "subdot_f32": an offline prototype (benchmarks/kernel_sass.py; not timed on a GPU), subdot with its codes
-    # widened through f32 (HADD2.F32 + F2FP pack in SASS) instead of Triton's direct e4m3 -> bf16 path, which
-    # costs one F2F.BF16.F16 conversion per element.
-    via_f32 = mx_mode == "subdot_f32"
 
     def halves(rows_k: pl.Slice) -> tuple[jax.Array, jax.Array]:
         word = q_ref[slot, rows_k, cols].astype(jnp.int32)
@@ -161,8 +157,7 @@ def _mac(acc: jax.Array, x_ref, row0: jax.Array, k0: jax.Array, w_refs: tuple, s
                 for h, code in enumerate(halves(pl.ds(kg // 2 + c * mx.BLOCK, mx.BLOCK))):
                     piece = 2 * h + c  # which 32-block of the group these K elements are
                     s = mx.e8m0_to_f32(s_ref[slot, pl.ds(sb + piece, 1), cols])
-                    w = (layout.decode_codes(code, fmt).astype(cdt) if via_f32
-                         else layout.decode_codes(code, fmt, cdt))
+                    w = layout.decode_codes(code, fmt, cdt)
                     acc = acc + _dot(x_ref[rows, pl.ds(kg + piece * mx.BLOCK, mx.BLOCK)], w) * s
     return acc
 
@@ -295,7 +290,10 @@ def kernel_tiles(num_tokens: int, experts: dict, *, tiles: MoeTiles | None = Non
     gate = layout.weight_arrays(experts, "gate")
     d_model = gate[1].shape[1] * mx.BLOCK if fmt != "dense" else gate[0].shape[1]
     d_ff = gate[0].shape[-1]
-    return fit_tiles(tiles or pick_tiles(num_tokens, fmt, interpret=interpret), d_model, d_ff, fmt)
+    tiles = tiles or pick_tiles(num_tokens, fmt, interpret=interpret)
+    if tiles.mx_mode == "expand_asm" and layout.WIDE_SCALES in experts:
+        tiles = tiles.replace(mx_mode="expand")  # scales the folded bf16 scale cannot hold (layout.py)
+    return fit_tiles(tiles, d_model, d_ff, fmt)
 
 
 def routed_experts_pallas(h_TD: jax.Array, idx_TK: jax.Array, w_TK: jax.Array, experts: dict, *,

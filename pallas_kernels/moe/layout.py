@@ -119,6 +119,19 @@ E4M3_BF16_PRMT = (0x2404, 0x3414)  # byte selectors: low bytes of the two words,
 E4M3_BF16_SIGN, E4M3_BF16_MAG, E4M3_BF16_SHIFT = 0x80008000, 0x07F007F0, 4
 E4M3_BF16_BIAS = 120
 E4M3_BF16_MAX_SCALE = 254 - E4M3_BF16_BIAS
+# Marker key (an empty array) in MXFP8 experts with a scale above E4M3_BF16_MAX_SCALE (block maxima of 2^16 and
+# more; no real checkpoint has them): the kernels then widen those weights the "expand" way. A key, not a value,
+# because the choice is static at trace time.
+WIDE_SCALES = "wide_scales"
+
+
+def mark_wide_scales(experts: dict) -> dict:
+    """`experts` plus the WIDE_SCALES marker where the "expand_asm" widening cannot represent a scale (one
+    host sync per layer: for load time, not the serving loop)."""
+    if weight_format(experts) != "mxfp8":
+        return experts
+    top = max(int(jnp.max(experts[f"{m}_s"])) for m in MATS)
+    return dict(experts, **{WIDE_SCALES: jnp.zeros((0,), jnp.uint8)}) if top > E4M3_BF16_MAX_SCALE else experts
 
 
 def e4m3_pair_widening_ptx(half: int) -> str:

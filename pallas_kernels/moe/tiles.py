@@ -21,11 +21,11 @@ Keys of `MoeTiles` (per kernel: `gu` = gate+up GEMM with the SwiGLU-OAI epilogue
   group   row blocks that run N-tile by N-tile together before the next group (L2 reuse, see above).
   mx_mode "expand": dequantise a whole [bk, bn] weight tile (scale broadcast over 32 K rows) before one dot;
           "subdot": one dot per 32-row scale block, scaling its [bm, bn] result (no in-kernel reshape).
-          "subdot_f32": subdot with the bytes widened through f32 (no F2F.BF16 conversion per element); an
-          offline-compiled prototype (benchmarks/kernel_sass.py), not yet timed. Override: M3JAX_MOE_MX_MODE.
-          "expand_asm" (MXFP8): e4m3 pairs widened by inline PTX bit moves and a packed bf16 scale multiply
-          (layout.e4m3_pair_widening_ptx): 29-31% fewer instructions than "expand" offline, not yet timed;
-          E8M0 scales must be <= 134. Runs as "expand" in interpret mode.
+          "expand_asm" (MXFP8, the table's mode): e4m3 pairs widened by inline PTX bit moves and a packed
+          bf16 scale multiply (layout.e4m3_pair_widening_ptx): 29-31% fewer instructions than "expand",
+          16-20% faster at decode sizes on the H200. Exact only for E8M0 scales <= 134: weights prepared with
+          larger scales carry layout.WIDE_SCALES and run "expand". Runs as "expand" in interpret mode.
+          Timed and dropped: "subdot_f32" (subdot widened through f32; 1.70-2.42x). Override: M3JAX_MOE_MX_MODE.
 """
 
 from __future__ import annotations
@@ -69,24 +69,29 @@ _K = KernelTiles
 GPU_TABLE: dict[tuple[str, str], MoeTiles] = {
     ("decode", "dense"): MoeTiles("decode", bm=16, gu=_K(bn=64, bk=128, warps=4, stages=4),
                                   dn=_K(bn=128, bk=128, warps=4, stages=4), group=1),
-    # MXFP8 decode is bound by widening the bytes in registers, not by HBM: 8 warps per program hide more of that
-    # latency (H200, T = 1 / 8 / 32 / 128: 2.05 / 1.67 / 1.57 / 1.65x the floor against 2.76 / 2.03 / 1.86 /
-    # 1.88x with 4 warps, benchmarks/results/moe-h200-sweep.json).
-    ("decode", "mxfp8"): MoeTiles("decode", bm=16, gu=_K(bn=64, bk=128, warps=8, stages=4),
-                                  dn=_K(bn=128, bk=128, warps=8, stages=4), group=1),
+    # MXFP8 decode is bound by widening the bytes in registers, not by HBM. The inline-PTX widening
+    # ("expand_asm") needs ~30% fewer instructions than the conversion path, and 8 warps per program with 3
+    # stages (smaller shared-memory footprint: three programs per SM) hide the most latency. H200, T = 1 / 8 /
+    # 32 / 128: 1.66 / 1.34 / 1.31 / 1.33x the floor, against 1.73 / 1.37 / 1.32 / 1.39x with 4 stages and
+    # 2.07 / 1.63 / 1.55 / 1.58x for "expand" (benchmarks/results/moe-h200-mx-asm-sweep.json, moe-h200-s10a.json).
+    ("decode", "mxfp8"): MoeTiles("decode", bm=16, gu=_K(bn=64, bk=128, warps=8, stages=3),
+                                  dn=_K(bn=128, bk=128, warps=8, stages=3), group=1, mx_mode="expand_asm"),
     ("mid", "dense"): MoeTiles("mid", bm=64, gu=_K(bn=64, bk=128, warps=4, stages=4),
                                dn=_K(bn=128, bk=128, warps=4, stages=4), group=8),
+    ("mid", "mxfp8"): MoeTiles("mid", bm=64, gu=_K(bn=64, bk=128, warps=4, stages=4),
+                               dn=_K(bn=128, bk=128, warps=4, stages=4), group=8, mx_mode="expand_asm"),
     # The 64-row MXFP4 down kernel spills at 4 warps; 32 rows do not.
     ("mid", "mxfp4"): MoeTiles("mid", bm=32, gu=_K(bn=64, bk=128, warps=4, stages=4),
                                dn=_K(bn=128, bk=128, warps=4, stages=4), group=8),
     # gate+up: a 128 x (2 x 128) output tile per program (two accumulators); down: 128 x 256 with 3 stages, the
     # shape of the best plain Pallas matmul on this GPU (gpu.md). T = 8192, same run: 10.24 ms against 11.12 ms
-    # with a 128 x 128 down tile at 4 stages (benchmarks/results/moe-h200-explore.json).
+    # with a 128 x 128 down tile at 4 stages (benchmarks/results/moe-h200-explore.json). Groups of 4 row blocks:
+    # 10.09 ms against 10.37 ms with 16 and 10.9-11.1 ms with 8, 24 or 32 (moe-h200-8192-sweep.json).
     ("prefill", "dense"): MoeTiles("prefill", bm=128, gu=_K(bn=128, bk=64, warps=8, stages=4),
-                                   dn=_K(bn=256, bk=64, warps=8, stages=3), group=16),
+                                   dn=_K(bn=256, bk=64, warps=8, stages=3), group=4),
     # MX tiles are widened in registers before the MMA: narrower gate+up tiles keep that spill-free.
     ("prefill", "mxfp8"): MoeTiles("prefill", bm=128, gu=_K(bn=64, bk=128, warps=8, stages=4),
-                                   dn=_K(bn=128, bk=128, warps=8, stages=4), group=16),
+                                   dn=_K(bn=128, bk=128, warps=8, stages=4), group=16, mx_mode="expand_asm"),
     ("prefill", "mxfp4"): MoeTiles("prefill", bm=128, gu=_K(bn=64, bk=128, warps=8, stages=4),
                                    dn=_K(bn=128, bk=128, warps=8, stages=4), group=16),
 }

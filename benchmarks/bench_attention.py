@@ -408,7 +408,7 @@ def _variants(case: Case, s: Shapes, rec: Recorder, *, small: bool, interpret: b
             t, err = kernel_time(f, sets, small)
             rec.add(op=op, case=case.name, variant=_fmt(v), shape=shape, time_s=t, floor_s=floors[fi],
                     ratio=_ratio(t, floors[fi]), reference_time_s=None, check=check, error=err)
-    if case.kind == "decode" and VARIANTS in ("tune", "final") and time.perf_counter() < deadline:
+    if case.kind == "decode" and VARIANTS == "tune" and time.perf_counter() < deadline:
         _layout_experiment(case, rec, shape, sp_sets, base[1], stiles, s_floor=floors[1], small=small,
                            interpret=interpret)
 
@@ -438,14 +438,18 @@ def _fmt(t: IndexTiles | AttentionTiles) -> str:
     return " ".join(f"{k}={v}" for k, v in d.items())
 
 
-VARIANTS = "tune"  # "tune": the sets the table was chosen from; "final": only the KV-layout experiment; "none"
+VARIANTS = "tune"  # "tune": the sets the table was chosen from (and the KV-layout experiment); "final": index
+#                    top-k rows / page-stream variants at decode; "depth": pipeline depths; "none"
 
 
 def _index_variants(kind: str, context: int, base: IndexTiles) -> list[IndexTiles]:
     r = dataclasses.replace
     if VARIANTS == "final":
-        # The run-search metadata that one-row-per-request batches no longer use (same kernel tiles).
-        return [r(base, block_tokens=None)] if kind == "decode" and base.block_tokens else []
+        # More top-k programs (fewer rows each: shorter dependent chains), longer page streams per program.
+        if kind != "decode":
+            return []
+        return [r(base, topk_rows=8), r(base, topk_rows=2), r(base, bp=base.bp * 2),
+                r(base, bp=base.bp * 2, num_stages=4)]
     if VARIANTS == "depth":
         return [r(base, num_stages=4), r(base, num_stages=2), r(base, num_warps=2)] if kind == "decode" else []
     if VARIANTS != "tune":
@@ -459,7 +463,7 @@ def _index_variants(kind: str, context: int, base: IndexTiles) -> list[IndexTile
 def _sparse_variants(kind: str, context: int, base: AttentionTiles) -> list[AttentionTiles]:
     r = dataclasses.replace
     if VARIANTS == "final":
-        return [r(base, num_warps=8)] if kind == "decode" else []
+        return []
     if VARIANTS == "depth":
         # More loads in flight per multiprocessor: narrower key steps with deeper pipelines, or 3 stages so that
         # two programs fit per multiprocessor (the 8k rows of the earlier sweep caught the GPU's clock ramp).
@@ -606,8 +610,8 @@ def main() -> None:
     ap.add_argument("--contexts", default="8192,32768,131072")
     ap.add_argument("--prefill", type=int, default=8192)
     ap.add_argument("--variants", choices=("tune", "final", "depth", "none"), default="tune",
-                    help="tune: the tile sets the table was chosen from; final: the KV-layout experiment and "
-                         "the index metadata; depth: pipeline-depth variants of the decode kernels")
+                    help="tune: the tile sets the table was chosen from, and the KV-layout experiment; final: "
+                         "index top-k rows and page streams at decode; depth: pipeline-depth variants")
     ap.add_argument("--budget-s", type=float, default=200.0, help="skip tile variants after this many seconds")
     ap.add_argument("--warm-up-s", type=float, default=5.0, help="seconds of matmuls before the first timing")
     ap.add_argument("--render", metavar="JSON", help="print the markdown table of a results file and exit")

@@ -158,6 +158,8 @@ def main() -> None:
     ap.add_argument("--peak-tflops", type=float, default=790.0)
     ap.add_argument("--mx-modes", nargs="+", default=None,
                     help="MX formats: time these mx_modes too, each on the table's tiles (same weights and inputs)")
+    ap.add_argument("--layout-methods", nargs="+", default=None, choices=("compare", "argsort"),
+                    help="also time the op with each sort_and_pad method forced (same tiles and inputs)")
     ap.add_argument("--sweep-cases", nargs="+", default=None, metavar="T:FORMAT",
                     help="sweep only these cases (e.g. 8192:bf16 1:mxfp8), in this order")
     ap.add_argument("--kernels-only-tokens", type=int, nargs="+", default=[1, 8, 32, 128],
@@ -191,10 +193,11 @@ def main() -> None:
         inputs[T] = [(h, *route(h, w["router"], w["router_bias"])) for h in hs]
         touched[T] = int(np.mean([len(np.unique(np.asarray(i))) for _, i, _ in inputs[T]])) + 1
 
-    @functools.partial(jax.jit, static_argnames=("tiles",))
-    def run_kernel(h, idx, wts, experts, tiles):
+    @functools.partial(jax.jit, static_argnames=("tiles", "layout_method"))
+    def run_kernel(h, idx, wts, experts, tiles, layout_method=None):
         return kernel.routed_experts_pallas(h, idx, wts, experts, shared_slot=True, routed_scaling=SCALING,
-                                            alpha=ALPHA, limit=LIMIT, tiles=tiles, interpret=args.interpret)
+                                            alpha=ALPHA, limit=LIMIT, tiles=tiles, layout_method=layout_method,
+                                            interpret=args.interpret)
 
     @jax.jit
     def run_reference(h, idx, wts, rp):
@@ -209,11 +212,12 @@ def main() -> None:
         return max(byts / (args.hbm_tbps * 1e12), flops / (args.peak_tflops * 1e12))
 
     def measure(T: int, fmt: str, experts: dict, rp: dict | None, tiles: MoeTiles, ref_time: float | None,
-                op: str) -> dict[str, Any]:
+                op: str, layout_method: str | None = None) -> dict[str, Any]:
         rec: dict[str, Any] = {"op": op, "shape": {"T": T, "E": E, "D": D, "F": F, "top_k": K, "shared": 1},
                                "dtype": fmt, "tiles": tiles_dict(tiles), "device": device, "git_rev": rev,
-                               "jax": jax.__version__, "touched_slots": touched[T]}
-        fn = functools.partial(run_kernel, experts=experts, tiles=tiles)
+                               "jax": jax.__version__, "touched_slots": touched[T],
+                               "layout_method": layout_method or "auto"}
+        fn = functools.partial(run_kernel, experts=experts, tiles=tiles, layout_method=layout_method)
         try:
             t = time.perf_counter()
             got = jax.block_until_ready(fn(*inputs[T][0]))
@@ -241,7 +245,8 @@ def main() -> None:
         err = rec.get("error", "")[:200]
         log(f"{op:12s} T={T:5d} {fmt:6s} bm={tiles.bm:3d} gu={tiles.gu.bn}/{tiles.gu.bk}/{tiles.gu.warps}/"
             f"{tiles.gu.stages} dn={tiles.dn.bn}/{tiles.dn.bk}/{tiles.dn.warps}/{tiles.dn.stages} g={tiles.group} "
-            f"{tiles.mx_mode:6s} time={rec.get('time_s', 0) * 1e3:8.3f}ms ratio={rec.get('ratio', 0):5.2f} "
+            f"{tiles.mx_mode:6s} {layout_method or '':7s} time={rec.get('time_s', 0) * 1e3:8.3f}ms "
+            f"ratio={rec.get('ratio', 0):5.2f} "
             f"ref={(ref_time or 0) * 1e3:8.3f}ms err={rec.get('rel_err', -1):.2e} {err}")
         return rec
 
@@ -274,6 +279,8 @@ def main() -> None:
             rec = measure(T, name, experts, rp, tiles, ref_times.get(T), "moe_experts")
             if "error" in rec and fmt != "dense" and tiles.mx_mode == "expand":
                 measure(T, name, experts, rp, tiles.replace(mx_mode="subdot"), ref_times.get(T), "moe_experts")
+            for method in args.layout_methods or []:
+                measure(T, name, experts, rp, tiles, ref_times.get(T), "moe_layout", layout_method=method)
             if fmt != "dense" and not args.interpret:
                 for mode in args.mx_modes or []:
                     if mode != tiles.mx_mode:

@@ -3,7 +3,10 @@
 No GPU needed. The kernel is traced and lowered on the CPU for an abstract "NVIDIA H200" CUDA device (jax's
 `AbstractDevice` + `lowering_platforms=("cuda",)`), the Triton module is taken from the lowered pallas_call's
 custom call (exactly the TTIR XLA would receive, with its num_warps / num_stages), and then compiled by a `triton`
-pip package (TTIR -> TTGIR -> PTX -> cubin, its bundled ptxas) in a subprocess. Reported per kernel:
+pip package (TTIR -> TTGIR -> PTX -> cubin, its bundled ptxas) in a subprocess. The TTIR first goes through
+Triton's `make_ttir` passes (inliner, canonicalize, combine, CSE, ...), as it does in XLA's pipeline: `triton.compile`
+skips that stage for a `.ttir` file, and without the combine pass `acc + dot(a, b)` stays a dot plus a separate add
+(more registers, FADDs and loop instructions than XLA's build). Reported per kernel:
   - registers / spill bytes (ptxas -v on the PTX), stack / local memory (cuobjdump -res-usage on the cubin),
     shared memory (Triton's metadata: the pipeline buffers), the resident CTAs per SM these allow, and the MMA
     Triton chose (TTGIR `nvidia_mma` version);
@@ -55,8 +58,20 @@ try:
 except ImportError as e:
     sys.exit(f"kernel_sass: no usable triton in {sys.executable} ({e}); "
              "pip install triton==3.6.0 into a separate venv and pass --triton-python")
+from triton._C.libtriton import ir
+from triton.backends.nvidia.compiler import CUDABackend
 src, out, warps, stages, cap = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
-k = triton.compile(src, target=GPUTarget("cuda", cap, 32), options={"num_warps": warps, "num_stages": stages})
+target, options = GPUTarget("cuda", cap, 32), {"num_warps": warps, "num_stages": stages}
+# triton.compile starts a .ttir file at make_ttgir; XLA runs make_ttir (canonicalize, combine: acc + dot -> one
+# accumulating dot, ...) on the pallas TTIR first, so run it here and compile its output.
+backend = CUDABackend(target)
+ctx = ir.context()
+ir.load_dialects(ctx)
+backend.load_dialects(ctx)
+mod = ir.parse_mlir_module(src, ctx)
+backend.make_ttir(mod, {}, backend.parse_options(options), cap)
+open(f"{out}/kernel.make_ttir.ttir", "w").write(str(mod))
+k = triton.compile(f"{out}/kernel.make_ttir.ttir", target=target, options=options)
 for ext in ("ttgir", "ptx"):
     open(f"{out}/kernel.{ext}", "w").write(k.asm[ext])
 open(f"{out}/kernel.cubin", "wb").write(k.asm["cubin"])

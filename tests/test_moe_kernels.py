@@ -119,12 +119,13 @@ def test_mx_kernel_layout_round_trip() -> None:
 
 
 @pytest.mark.parametrize("bias", [None, bias_with(hot=[3]), bias_with(cold=[0, 1, 2, 5, 6])])
-@pytest.mark.parametrize("T", [1, 13, 40])
+@pytest.mark.parametrize("T", [1, 13, 40, 400])
 def test_sort_and_pad_invariants(bias: np.ndarray | None, T: int) -> None:
     p = moe_params(0, bias=bias)
     idx, w = reference.route(hidden(1, T), p["router"], p["router_bias"], TOP_K)
     bm, S = 16, E + 1
     lay = kernel.sort_and_pad(idx, w, num_slots=S, shared_slot=True, bm=bm, routed_scaling=2.0)
+    assert (T * (TOP_K + 1) <= kernel.COMPARE_LAYOUT_MAX_PAIRS) == (T < 400)  # both methods covered
     slot_B, dest = np.asarray(lay.slot_B), np.asarray(lay.dest_TJ)
     row_token, row_weight = np.asarray(lay.row_token_M), np.asarray(lay.row_weight_M)
     assert slot_B.shape[0] == kernel.max_row_blocks(T * (TOP_K + 1), S, bm)
@@ -144,6 +145,19 @@ def test_sort_and_pad_invariants(bias: np.ndarray | None, T: int) -> None:
     assert np.all(slot_B[: used.size] >= 0)
     assert np.all(np.diff(used) >= 0) if T > 1 else len(np.unique(used)) == used.size
     assert set(np.unique(dest // bm)) == set(range(used.size))
+
+
+@pytest.mark.parametrize("bias", [None, bias_with(hot=[3]), bias_with(cold=[0, 1, 2, 5, 6])])
+@pytest.mark.parametrize("T", [2, 13, 40, 300])
+def test_compare_layout_equals_argsort_layout(bias: np.ndarray | None, T: int) -> None:
+    """The decode-size layout (masked sums) is the argsort layout, row for row and bit for bit."""
+    p = moe_params(0, bias=bias)
+    idx, w = reference.route(hidden(2, T), p["router"], p["router_bias"], TOP_K)
+    kw = {"num_slots": E + 1, "shared_slot": True, "bm": 16, "routed_scaling": 2.0}
+    a = kernel.sort_and_pad(idx, w, method="argsort", **kw)
+    b = kernel.sort_and_pad(idx, w, method="compare", **kw)
+    for name in ("row_token_M", "row_weight_M", "slot_B", "dest_TJ"):
+        np.testing.assert_array_equal(np.asarray(getattr(a, name)), np.asarray(getattr(b, name)), err_msg=name)
 
 
 # ---- kernels vs reference --------------------------------------------------------------------------------

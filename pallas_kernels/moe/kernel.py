@@ -52,8 +52,16 @@ def max_row_blocks(num_rows: int, num_slots: int, bm: int) -> int:
     return min(num_rows, -(-num_rows // bm) + num_slots)
 
 
+# Up to this many (token, slot) pairs the layout is built by comparisons instead of an argsort and scatters:
+# [R, R] and [M, R] masks that XLA reduces in a few fused kernels, against a dozen small kernels (sort, three
+# scatters, two scans) that cost ~40 us at decode sizes on the H200. Beyond it the masks grow quadratically.
+COMPARE_LAYOUT_MAX_PAIRS = 1024
+
+
 def sort_and_pad(idx_TK: jax.Array, w_TK: jax.Array, *, num_slots: int, shared_slot: bool, bm: int,
-                 routed_scaling: float) -> RowLayout:
+                 routed_scaling: float, method: str | None = None) -> RowLayout:
+    """The rows of every slot contiguous (pairs in token order) and padded to bm. `method`: "compare" or
+    "argsort" build the same layout; None picks by size."""
     T = idx_TK.shape[0]
     e_TJ = idx_TK.astype(jnp.int32)
     w_TJ = w_TK.astype(jnp.float32) * routed_scaling
@@ -72,6 +80,10 @@ def sort_and_pad(idx_TK: jax.Array, w_TK: jax.Array, *, num_slots: int, shared_s
         return RowLayout(jnp.zeros(J * bm, jnp.int32), row_weight_M, e_TJ.reshape(-1),
                          (jnp.arange(J, dtype=jnp.int32) * bm)[None, :])
     flat_e = e_TJ.reshape(-1)
+    if method is None:
+        method = "compare" if R <= COMPARE_LAYOUT_MAX_PAIRS else "argsort"
+    if method == "compare":
+        return _compare_layout(flat_e, w_TJ.reshape(-1), T=T, J=J, num_slots=num_slots, bm=bm)
     sizes_S = jnp.zeros(num_slots, jnp.int32).at[flat_e].add(1)
     blocks_S = (sizes_S + bm - 1) // bm
     bend_S = jnp.cumsum(blocks_S)
@@ -88,6 +100,30 @@ def sort_and_pad(idx_TK: jax.Array, w_TK: jax.Array, *, num_slots: int, shared_s
     blocks = jnp.arange(nb, dtype=jnp.int32)
     # compare_all: one vectorised compare instead of a loop (a GPU while loop syncs with the host per step).
     slot_B = jnp.searchsorted(bend_S, blocks, side="right", method="compare_all").astype(jnp.int32)
+    slot_B = jnp.where(blocks < bend_S[-1], slot_B, -1)
+    return RowLayout(row_token_M, row_weight_M, slot_B, dest_R.reshape(T, J))
+
+
+def _compare_layout(e_R: jax.Array, w_R: jax.Array, *, T: int, J: int, num_slots: int, bm: int) -> RowLayout:
+    """sort_and_pad's layout without a sort or a scatter: every quantity is a masked sum, so XLA fuses them."""
+    R = T * J
+    nb = max_row_blocks(R, num_slots, bm)
+    M = nb * bm
+    r = jnp.arange(R, dtype=jnp.int32)
+    s = jnp.arange(num_slots, dtype=jnp.int32)
+    sizes_S = jnp.sum(e_R[:, None] == s[None, :], axis=0, dtype=jnp.int32)
+    blocks_S = (sizes_S + bm - 1) // bm
+    bstart_S = jnp.sum(jnp.where(s[:, None] < s[None, :], blocks_S[:, None], 0), axis=0, dtype=jnp.int32)
+    # A pair's row within its slot: how many earlier pairs chose the same slot (the stable sort's order).
+    rank_R = jnp.sum((e_R[None, :] == e_R[:, None]) & (r[None, :] < r[:, None]), axis=1, dtype=jnp.int32)
+    dest_R = bstart_S[e_R] * bm + rank_R
+    # Each row takes the one pair that lands on it (none for padding rows): sums with at most one term.
+    hit_MR = dest_R[None, :] == jnp.arange(M, dtype=jnp.int32)[:, None]
+    row_token_M = jnp.sum(jnp.where(hit_MR, r[None, :] // J, 0), axis=1, dtype=jnp.int32)
+    row_weight_M = jnp.sum(jnp.where(hit_MR, w_R[None, :], 0.0), axis=1)
+    bend_S = bstart_S + blocks_S
+    blocks = jnp.arange(nb, dtype=jnp.int32)
+    slot_B = jnp.sum(bend_S[None, :] <= blocks[:, None], axis=1, dtype=jnp.int32)  # the slot holding block b
     slot_B = jnp.where(blocks < bend_S[-1], slot_B, -1)
     return RowLayout(row_token_M, row_weight_M, slot_B, dest_R.reshape(T, J))
 
@@ -298,15 +334,17 @@ def kernel_tiles(num_tokens: int, experts: dict, *, tiles: MoeTiles | None = Non
 
 def routed_experts_pallas(h_TD: jax.Array, idx_TK: jax.Array, w_TK: jax.Array, experts: dict, *,
                           shared_slot: bool, routed_scaling: float, alpha: float, limit: float,
-                          tiles: MoeTiles | None = None, interpret: bool = False) -> jax.Array:
-    """fp32 [T, D]: routed_scaling * sum_k w[t,k] Expert_idx(h[t]) (+ the shared slot's output, weight 1)."""
+                          tiles: MoeTiles | None = None, layout_method: str | None = None,
+                          interpret: bool = False) -> jax.Array:
+    """fp32 [T, D]: routed_scaling * sum_k w[t,k] Expert_idx(h[t]) (+ the shared slot's output, weight 1).
+    `layout_method`: sort_and_pad's (None: by size; benchmarks time both)."""
     T = h_TD.shape[0]
     fmt = layout.weight_format(experts)
     tiles = kernel_tiles(T, experts, tiles=tiles, interpret=interpret)
     if tiles is None:
         raise ValueError(f"no MoE tile fits these expert shapes ({fmt}); use the reference")
     lay = sort_and_pad(idx_TK, w_TK, num_slots=layout.num_slots(experts), shared_slot=shared_slot, bm=tiles.bm,
-                       routed_scaling=routed_scaling)
+                       routed_scaling=routed_scaling, method=layout_method)
     x_MD = h_TD[lay.row_token_M]
     act_MF = gate_up(x_MD, lay.slot_B, experts, tiles, alpha=alpha, limit=limit, interpret=interpret)
     y_MD = down(act_MF, lay.slot_B, lay.row_weight_M, experts, tiles, interpret=interpret)

@@ -45,7 +45,7 @@ import jax.numpy as jnp
 from pallas_kernels.moe import kernel
 from pallas_kernels.moe.tiles import KernelTiles, pick_tiles
 
-S, D, F, BM, SLOTS_PER_TOKEN = 129, 6144, 3072, 16, 5  # M3: 128 experts + shared slot, top-4 (+ shared)
+S, D, F, SLOTS_PER_TOKEN = 129, 6144, 3072, 5  # M3: 128 experts + shared slot, top-4 (+ shared)
 FORMATS = {"bf16": "dense", "mxfp8": "mxfp8", "mxfp4": "mxfp4"}
 
 # Runs under the triton interpreter: TTIR file -> ttgir / ptx / cubin / sass / ptxas log in an output folder.
@@ -69,6 +69,7 @@ ctx = ir.context()
 ir.load_dialects(ctx)
 backend.load_dialects(ctx)
 mod = ir.parse_mlir_module(src, ctx)
+mod.context = ctx  # as triton.compiler.IRSource.make_ir does
 backend.make_ttir(mod, {}, backend.parse_options(options), cap)
 open(f"{out}/kernel.make_ttir.ttir", "w").write(str(mod))
 k = triton.compile(f"{out}/kernel.make_ttir.ttir", target=target, options=options)
@@ -112,18 +113,18 @@ def lower_ttir(which: str, fmt: str, tiles, tokens: int) -> tuple[str, dict]:
     from jax._src.pallas.triton import lowering as triton_lowering
 
     sds = jax.ShapeDtypeStruct
-    rows = tokens * SLOTS_PER_TOKEN
-    nb = SLOTS_PER_TOKEN if tokens == 1 else kernel.max_row_blocks(rows, S, BM)
+    rows, bm = tokens * SLOTS_PER_TOKEN, tiles.bm  # row blocks of the regime's own height
+    nb = SLOTS_PER_TOKEN if tokens == 1 else kernel.max_row_blocks(rows, S, bm)
     slot = sds((nb,), jnp.int32)
     experts = expert_structs(fmt)
     if which == "gate_up":
         def fn(x, slot, experts):
             return kernel.gate_up(x, slot, experts, tiles, alpha=1.702, limit=7.0)
-        args = (sds((nb * BM, D), jnp.bfloat16), slot, experts)
+        args = (sds((nb * bm, D), jnp.bfloat16), slot, experts)
     else:
         def fn(a, slot, rw, experts):
             return kernel.down(a, slot, rw, experts, tiles)
-        args = (sds((nb * BM, F), jnp.bfloat16), slot, sds((nb * BM,), jnp.float32), experts)
+        args = (sds((nb * bm, F), jnp.bfloat16), slot, sds((nb * bm,), jnp.float32), experts)
     dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="cuda")
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=dev)):
         lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
@@ -213,7 +214,7 @@ def compile_ttir(text: str, settings: dict, python: str, cap: int, workdir: Path
     return meta
 
 
-def report(which: str, fmt: str, kt: KernelTiles, mode: str, settings: dict, meta: dict, *, clock_ghz: float,
+def report(which: str, fmt: str, bm: int, kt: KernelTiles, mode: str, settings: dict, meta: dict, *, clock_ghz: float,
            sms: int, show_ops: bool) -> None:
     regs = re.search(r"Used (\d+) registers", meta["ptxas"])
     spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", meta["ptxas"])
@@ -221,7 +222,7 @@ def report(which: str, fmt: str, kt: KernelTiles, mode: str, settings: dict, met
     mats = 2 if which == "gate_up" else 1
     elems = mats * kt.bk * kt.bn
     print(f"== {settings['name']} ({which}, {fmt}{'' if fmt == 'dense' else ', mx_mode=' + mode}) "
-          f"bm={BM} bn={kt.bn} bk={kt.bk} warps={settings['num_warps']} stages={settings['num_stages']} "
+          f"bm={bm} bn={kt.bn} bk={kt.bk} warps={settings['num_warps']} stages={settings['num_stages']} "
           f"grid={settings['grid_x']}  [triton {meta['triton']}, sm_90a]")
     print(f"registers/thread {regs.group(1) if regs else '?'}, spill stores/loads {spill.group(1)}/{spill.group(2)} B, "
           f"stack {res.group(2)} B, local {res.group(3)} B, shared {meta['shared']} B" if spill and res
@@ -285,7 +286,7 @@ def main() -> None:
             work = Path(a.dump) / f"{settings['name']}_{tiles.mx_mode}" if a.dump else Path(tmp)
             work.mkdir(parents=True, exist_ok=True)
             meta = compile_ttir(text, settings, a.triton_python, a.capability, work)
-        report(which, fmt, tiles.gu if which == "gate_up" else tiles.dn, tiles.mx_mode, settings, meta,
+        report(which, fmt, tiles.bm, tiles.gu if which == "gate_up" else tiles.dn, tiles.mx_mode, settings, meta,
                clock_ghz=a.clock_ghz, sms=a.sms, show_ops=a.ops)
         print()
 

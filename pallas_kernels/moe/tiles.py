@@ -70,10 +70,11 @@ GPU_TABLE: dict[tuple[str, str], MoeTiles] = {
     ("decode", "dense"): MoeTiles("decode", bm=16, gu=_K(bn=64, bk=128, warps=4, stages=4),
                                   dn=_K(bn=128, bk=128, warps=4, stages=4), group=1),
     # MXFP8 decode is bound by widening the bytes in registers, not by HBM. The inline-PTX widening
-    # ("expand_asm") needs ~30% fewer instructions than the conversion path, and 8 warps per program with 3
-    # stages (smaller shared-memory footprint: three programs per SM) hide the most latency. H200, T = 1 / 8 /
-    # 32 / 128: 1.66 / 1.34 / 1.31 / 1.33x the floor, against 1.73 / 1.37 / 1.32 / 1.39x with 4 stages and
-    # 2.07 / 1.63 / 1.55 / 1.58x for "expand" (benchmarks/results/moe-h200-mx-asm-sweep.json, moe-h200-s10a.json).
+    # ("expand_asm") needs ~30% fewer instructions than the conversion path; 8 warps per program, 3 stages. H200,
+    # T = 1 / 8 / 32 / 128: 1.66 / 1.34 / 1.31 / 1.33x the floor, against 1.73 / 1.37 / 1.32 / 1.39x with 4
+    # stages (same run, benchmarks/results/moe-h200-mx-asm-sweep.json) and 2.03 / 1.57 / 1.53 / 1.55x for
+    # "expand" (moe-h200.json). Offline both depths fit 3 programs per SM (registers bind, kernel_sass.py), so the
+    # small 3-stage gain is measured, not explained.
     ("decode", "mxfp8"): MoeTiles("decode", bm=16, gu=_K(bn=64, bk=128, warps=8, stages=3),
                                   dn=_K(bn=128, bk=128, warps=8, stages=3), group=1, mx_mode="expand_asm"),
     ("mid", "dense"): MoeTiles("mid", bm=64, gu=_K(bn=64, bk=128, warps=4, stages=4),

@@ -86,8 +86,9 @@ GPU_TABLE: dict[tuple[str, str], MoeTiles] = {
                                dn=_K(bn=128, bk=128, warps=4, stages=4), group=8),
     # gate+up: a 128 x (2 x 128) output tile per program (two accumulators); down: 128 x 256 with 3 stages, the
     # shape of the best plain Pallas matmul on this GPU (gpu.md). T = 8192, same run: 10.24 ms against 11.12 ms
-    # with a 128 x 128 down tile at 4 stages (benchmarks/results/moe-h200-explore.json). Groups of 4 row blocks:
-    # 10.09 ms against 10.37 ms with 16 and 10.9-11.1 ms with 8, 24 or 32 (moe-h200-8192-sweep.json).
+    # with a 128 x 128 down tile at 4 stages (benchmarks/results/moe-h200-explore.json). Groups of 4 row blocks
+    # (was 16): 10.09 vs 10.37 ms and 9.83 vs 10.67 ms in two sweeps (moe-h200-8192-sweep*.json), but the same
+    # tiles measure 9.8-10.7 ms across processes, so the gain is within that spread; 1, 2, 6, 8, 24, 32: slower.
     ("prefill", "dense"): MoeTiles("prefill", bm=128, gu=_K(bn=128, bk=64, warps=8, stages=4),
                                    dn=_K(bn=256, bk=64, warps=8, stages=3), group=4),
     # MX tiles are widened in registers before the MMA: narrower gate+up tiles keep that spill-free.

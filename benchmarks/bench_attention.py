@@ -445,10 +445,11 @@ VARIANTS = "tune"  # "tune": the sets the table was chosen from (and the KV-layo
 def _index_variants(kind: str, context: int, base: IndexTiles) -> list[IndexTiles]:
     r = dataclasses.replace
     if VARIANTS == "final":
-        # More top-k programs (fewer rows each: shorter dependent chains), longer page streams per program.
+        # The top-k inside the scoring kernel (no second launch), more top-k programs (fewer rows each: shorter
+        # dependent chains), longer page streams per program.
         if kind != "decode":
             return []
-        return [r(base, topk_rows=8), r(base, topk_rows=2), r(base, bp=base.bp * 2),
+        return [r(base, topk="fused"), r(base, topk_rows=8), r(base, topk_rows=2), r(base, bp=base.bp * 2),
                 r(base, bp=base.bp * 2, num_stages=4)]
     if VARIANTS == "depth":
         return [r(base, num_stages=4), r(base, num_stages=2), r(base, num_warps=2)] if kind == "decode" else []

@@ -74,7 +74,8 @@ def test_query_blocks_cover_every_token_once():
             assert n <= bt and (n == 0 or (tr[s:s + n] == r).all())
 
 
-@pytest.mark.parametrize("data,topk_impl", [("ints", "pallas"), ("normal", "pallas"), ("ints", "xla")])
+@pytest.mark.parametrize("data,topk_impl", [("ints", "pallas"), ("normal", "pallas"), ("ints", "xla"),
+                                            ("ints", "fused"), ("normal", "fused")])
 @pytest.mark.parametrize("local_blocks,init_blocks", [(1, 0), (2, 1)])
 def test_select_blocks_equal_reference(data, topk_impl, local_blocks, init_blocks):
     rng = np.random.default_rng(1 + local_blocks)
@@ -98,6 +99,17 @@ def test_select_blocks_one_token_blocks_equal_reference():
     want = msa_ref.paged_select_blocks(iq, ik, *_args(), topk=TOPK, local_blocks=1)
     got = msa_kernel.paged_select_blocks(iq, ik, *_args(), topk=TOPK, local_blocks=1,
                                          tiles=IndexTiles(bt=4, bp=2, block_tokens=1), interpret=True)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_fused_topk_one_token_blocks_equal_reference():
+    """The scoring kernel's own top-k (the last of a block's 5 page-split programs selects) on one-token blocks,
+    the decode configuration it is meant for."""
+    rng = np.random.default_rng(6)
+    iq, ik = _normal(rng, BATCH.num_tokens, K, DI), _normal(rng, NUM_PAGES, PS, DI)
+    want = msa_ref.paged_select_blocks(iq, ik, *_args(), topk=TOPK, local_blocks=1)
+    got = msa_kernel.paged_select_blocks(iq, ik, *_args(), topk=TOPK, local_blocks=1,
+                                         tiles=IndexTiles(bt=4, bp=2, block_tokens=1, topk="fused"), interpret=True)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 

@@ -28,7 +28,9 @@ class IndexTiles:
     bp: int  # pages (= MSA blocks) per program; the grid's second axis splits the page table
     num_warps: int = 4
     num_stages: int = 3
-    topk: str = "pallas"  # top-k over the block scores: "pallas" (msa.kernel.topk_blocks) or "xla" (lax.top_k)
+    # Top-k over the block scores: "pallas" (msa.kernel.topk_blocks, a second launch), "xla" (lax.top_k) or
+    # "fused" (the last program of each query block selects inside the scoring kernel; not yet timed on a GPU).
+    topk: str = "pallas"
     # Tokens per query block (None: bt). 1 when every request has one row: each token is then its own block
     # (nothing to share), the program's bt-row tile is mostly masked, and the block metadata is an iota instead
     # of the run search's handful of small XLA kernels.

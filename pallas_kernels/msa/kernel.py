@@ -19,6 +19,7 @@ otherwise, each token masked to its own pages.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -32,8 +33,21 @@ from pallas_kernels.attention.ragged import QueryBlocks, query_blocks
 from pallas_kernels.attention.tuning import AttentionTiles, IndexTiles
 
 
+@dataclasses.dataclass(frozen=True)
+class _FusedTopk:
+    """Static arguments of the top-k done inside the scoring kernel (IndexTiles.topk == "fused")."""
+
+    num_splits: int
+    P: int
+    topk: int
+    kp: int
+    local_blocks: int
+    init_blocks: int
+    interpret: bool
+
+
 def _block_scores_kernel(start_ref, length_ref, row_ref, max_pos_ref, page_table_ref, pos_ref, iq_ref, ik_ref,
-                         out_ref, *, bt: int, G: int, ps: int, bp: int):
+                         *refs, bt: int, G: int, ps: int, bp: int, fused: _FusedTopk | None):
     qb, split = pl.program_id(0), pl.program_id(1)
     t0, n, row = start_ref[qb], length_ref[qb], row_ref[qb]
     P = page_table_ref.shape[1]
@@ -65,29 +79,80 @@ def _block_scores_kernel(start_ref, length_ref, row_ref, max_pos_ref, page_table
         return jnp.where(col_C[None, :] == j, jnp.max(s_MS, axis=1)[:, None], best_MC)
 
     best_MC = lax.fori_loop(0, num, body, jnp.full((M, bp), -jnp.inf, jnp.float32))
+    out_ref = refs[1] if fused else refs[0]
     plgpu.store(out_ref.at[pl.ds(t0, bt), :, pl.ds(b0, bp)], best_MC.reshape(bt, G, bp),
                 mask=jnp.broadcast_to(tok_ok_B[:, None, None], (bt, G, bp)))
+    if fused:
+        _select_when_last(refs[2], refs[3], out_ref, qb, t0, tok_ok_B, pos_M, bt=bt, G=G, ps=ps, f=fused)
+
+
+def _select_when_last(count_ref, ids_ref, scores_ref, qb, t0, tok_ok_B, pos_M, *, bt: int, G: int, ps: int,
+                      f: _FusedTopk) -> None:
+    """The last of a query block's `num_splits` programs to finish selects its top-k: no second launch.
+
+    Every thread's score stores are issued before the barrier; the counter's atomic add (acquire-release, GPU
+    scope) then publishes them, and the program that sees the count reach num_splits - 1 acquires all the
+    others' slabs (volatile reads, served by L2). The counter starts at zero every call (an aliased zeros input)."""
+    if not f.interpret:
+        plgpu.debug_barrier()
+    done = plgpu.atomic_add(count_ref, qb, jnp.ones((), jnp.int32))
+
+    @pl.when(done == f.num_splits - 1)
+    def _():
+        M = bt * G
+        wp = 1 << max(0, (f.P - 1).bit_length())
+        col_C = lax.broadcasted_iota(jnp.int32, (wp,), 0)
+        ok = jnp.broadcast_to(tok_ok_B[:, None, None] & (col_C < f.P)[None, None, :], (bt, G, wp))
+        # volatile: served by L2, not a stale L1 line (jax 0.11.2's cache_modifier=".cg" does not lower).
+        s_BGC = plgpu.load(scores_ref.at[pl.ds(t0, bt), :, pl.ds(0, wp)], mask=ok, other=-jnp.inf, volatile=True)
+        ids_MK = _select_topk(s_BGC.reshape(M, wp), pos_M, P=f.P, ps=ps, topk=f.topk, kp=f.kp,
+                              local_blocks=f.local_blocks, init_blocks=f.init_blocks)
+        plgpu.store(ids_ref.at[pl.ds(t0, bt), :, :], ids_MK.reshape(bt, G, f.kp),
+                    mask=jnp.broadcast_to(tok_ok_B[:, None, None], (bt, G, f.kp)))
 
 
 def block_scores(iq_TGD: jax.Array, ik_pages: jax.Array, page_table_RP: jax.Array, pos_T: jax.Array,
-                 qbs: QueryBlocks, *, tiles: IndexTiles, interpret: bool = False) -> jax.Array:
-    """[T, G, P'] fp32 max index score of each logical block (P' >= P, extra columns -inf); -inf = not visible."""
+                 qbs: QueryBlocks, *, tiles: IndexTiles, select: dict | None = None,
+                 interpret: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """[T, G, P'] fp32 max index score of each logical block (P' >= P, extra columns -inf); -inf = not visible.
+
+    With `select` (topk_blocks' keyword arguments: topk, local_blocks, init_blocks) the kernel also selects:
+    returns (scores, block ids [T, G, topk])."""
     T, G, _ = iq_TGD.shape
     ps = ik_pages.shape[1]
     P = page_table_RP.shape[1]
     bt, bp = tiles.bt, tiles.bp
     num_splits = -(-P // bp)
-    kernel = functools.partial(_block_scores_kernel, bt=bt, G=G, ps=ps, bp=bp)
+    Q = qbs.num_blocks
+    fused = None
+    if select is not None:
+        kp = 1 << max(0, (select["topk"] - 1).bit_length())
+        fused = _FusedTopk(num_splits=num_splits, P=P, kp=kp, interpret=interpret, **select)
+    kernel = functools.partial(_block_scores_kernel, bt=bt, G=G, ps=ps, bp=bp, fused=fused)
+    # Every column of the padded width is written (-inf where unseen), so the output needs no init.
+    scores_shape = jax.ShapeDtypeStruct((T, G, num_splits * bp), jnp.float32)
+    args = (qbs.start_Q, qbs.length_Q, qbs.row_Q, qbs.max_pos_Q, page_table_RP, pos_T.astype(jnp.int32), iq_TGD,
+            ik_pages)
+    extra = {}
+    if fused:
+        args = (*args, jnp.zeros((Q,), jnp.int32))  # per query block: programs done (aliased to output 1)
+        out_shape = (scores_shape, jax.ShapeDtypeStruct((Q,), jnp.int32),
+                     jax.ShapeDtypeStruct((T, G, fused.kp), jnp.int32))
+        extra = {"input_output_aliases": {len(args) - 1: 1}}
+    else:
+        out_shape = scores_shape
     out = pl.pallas_call(
         kernel,
-        grid=(qbs.num_blocks, num_splits),
-        # Every column of the padded width is written (-inf where unseen), so the output needs no init.
-        out_shape=jax.ShapeDtypeStruct((T, G, num_splits * bp), jnp.float32),
+        grid=(Q, num_splits),
+        out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
         interpret=interpret,
-        name=f"msa_block_scores_bt{bt}_bp{bp}",
-    )(qbs.start_Q, qbs.length_Q, qbs.row_Q, qbs.max_pos_Q, page_table_RP, pos_T.astype(jnp.int32), iq_TGD,
-      ik_pages)
+        name=f"msa_block_scores_bt{bt}_bp{bp}" + ("_topk" if fused else ""),
+        **extra,
+    )(*args)
+    if fused:
+        scores, _, ids = out
+        return scores, ids[..., :select["topk"]]
     return out
 
 
@@ -107,18 +172,13 @@ def select_from_block_scores(scores_TGN: jax.Array, pos_T: jax.Array, *, block_s
     return idx
 
 
-def _topk_kernel(pos_ref, scores_ref, out_ref, *, rb: int, G: int, wp: int, P: int, ps: int, topk: int, kp: int,
-                 local_blocks: int, init_blocks: int):
-    r0 = pl.program_id(0) * rb
-    TG = scores_ref.shape[0]
-    row_R = r0 + lax.broadcasted_iota(jnp.int32, (rb,), 0)
-    ok_R = row_R < TG
-    col_C = lax.broadcasted_iota(jnp.int32, (wp,), 0)
-    s_RC = plgpu.load(scores_ref.at[pl.ds(r0, rb), pl.ds(0, wp)], mask=ok_R[:, None] & (col_C < P)[None, :],
-                      other=-jnp.inf)
-    pos_R = plgpu.load(pos_ref.at[jnp.minimum(row_R, TG - 1) // G])
+def _select_topk(s_RC: jax.Array, pos_R: jax.Array, *, P: int, ps: int, topk: int, kp: int, local_blocks: int,
+                 init_blocks: int) -> jax.Array:
+    """[R, wp] block scores (-inf past column P) -> [R, kp] block ids, -1 padded: the reference's forcing of the
+    local / init blocks, then `topk` rounds of (row max, lowest index holding it)."""
+    wp = s_RC.shape[1]
+    b_1C = lax.broadcasted_iota(jnp.int32, (wp,), 0)[None, :]
     qb_R1 = (pos_R // ps)[:, None]
-    b_1C = col_C[None, :]
     forced = (b_1C <= qb_R1) & ((b_1C > qb_R1 - local_blocks) | (b_1C < init_blocks)) & (b_1C < P)
     s_RC = jnp.where(forced, jnp.inf, s_RC)
     k_1K = lax.broadcasted_iota(jnp.int32, (kp,), 0)[None, :]
@@ -133,7 +193,22 @@ def _topk_kernel(pos_ref, scores_ref, out_ref, *, rb: int, G: int, wp: int, P: i
         out_RK = jnp.where(k_1K == j, sel_R[:, None], out_RK)
         return jnp.where(b_1C == idx_R[:, None], -jnp.inf, s_RC), out_RK
 
-    _, out_RK = lax.fori_loop(0, min(topk, P), pick, (s_RC, jnp.full((rb, kp), -1, jnp.int32)))
+    _, out_RK = lax.fori_loop(0, min(topk, P), pick, (s_RC, jnp.full((s_RC.shape[0], kp), -1, jnp.int32)))
+    return out_RK
+
+
+def _topk_kernel(pos_ref, scores_ref, out_ref, *, rb: int, G: int, wp: int, P: int, ps: int, topk: int, kp: int,
+                 local_blocks: int, init_blocks: int):
+    r0 = pl.program_id(0) * rb
+    TG = scores_ref.shape[0]
+    row_R = r0 + lax.broadcasted_iota(jnp.int32, (rb,), 0)
+    ok_R = row_R < TG
+    col_C = lax.broadcasted_iota(jnp.int32, (wp,), 0)
+    s_RC = plgpu.load(scores_ref.at[pl.ds(r0, rb), pl.ds(0, wp)], mask=ok_R[:, None] & (col_C < P)[None, :],
+                      other=-jnp.inf)
+    pos_R = plgpu.load(pos_ref.at[jnp.minimum(row_R, TG - 1) // G])
+    out_RK = _select_topk(s_RC, pos_R, P=P, ps=ps, topk=topk, kp=kp, local_blocks=local_blocks,
+                          init_blocks=init_blocks)
     plgpu.store(out_ref.at[pl.ds(r0, rb), :], out_RK, mask=jnp.broadcast_to(ok_R[:, None], (rb, kp)))
 
 
@@ -165,6 +240,10 @@ def paged_select_blocks(iq_TGD: jax.Array, ik_pages: jax.Array, page_table_RP: j
                         tiles: IndexTiles, interpret: bool = False) -> jax.Array:
     """Kernel version of `msa.reference.paged_select_blocks`: logical block ids [T, G, topk], -1 padded."""
     qbs = query_blocks(token_row_T, pos_T, bt=tiles.block_tokens or tiles.bt, num_rows=page_table_RP.shape[0])
+    if tiles.topk == "fused":
+        sel = {"topk": topk, "local_blocks": local_blocks, "init_blocks": init_blocks}
+        return block_scores(iq_TGD, ik_pages, page_table_RP, pos_T, qbs, tiles=tiles, select=sel,
+                            interpret=interpret)[1]
     scores = block_scores(iq_TGD, ik_pages, page_table_RP, pos_T, qbs, tiles=tiles, interpret=interpret)
     if tiles.topk == "pallas":
         return topk_blocks(scores, pos_T, block_size=ik_pages.shape[1], num_blocks=page_table_RP.shape[1],

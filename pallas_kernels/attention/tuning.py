@@ -35,7 +35,6 @@ class IndexTiles:
     # (nothing to share), the program's bt-row tile is mostly masked, and the block metadata is an iota instead
     # of the run search's handful of small XLA kernels.
     block_tokens: int | None = None
-    topk_rows: int | None = None  # (token, group) rows per top-k program (None: ~2048 scores per program)
 
 
 @dataclasses.dataclass(frozen=True)

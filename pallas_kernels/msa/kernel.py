@@ -93,7 +93,7 @@ def _select_when_last(count_ref, ids_ref, scores_ref, qb, t0, tok_ok_B, pos_M, *
     Every thread's score stores are issued before the barrier; the counter's atomic add (acquire-release, GPU
     scope) then publishes them, and the program that sees the count reach num_splits - 1 acquires all the
     others' slabs (volatile reads, served by L2). The counter starts at zero every call (an aliased zeros input)."""
-    if not f.interpret:
+    if not f.interpret:  # the interpreter runs programs one after another and has no barrier primitive
         plgpu.debug_barrier()
     done = plgpu.atomic_add(count_ref, qb, jnp.ones((), jnp.int32))
 
@@ -113,11 +113,11 @@ def _select_when_last(count_ref, ids_ref, scores_ref, qb, t0, tok_ok_B, pos_M, *
 
 def block_scores(iq_TGD: jax.Array, ik_pages: jax.Array, page_table_RP: jax.Array, pos_T: jax.Array,
                  qbs: QueryBlocks, *, tiles: IndexTiles, select: dict | None = None,
-                 interpret: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
+                 interpret: bool = False) -> jax.Array:
     """[T, G, P'] fp32 max index score of each logical block (P' >= P, extra columns -inf); -inf = not visible.
 
-    With `select` (topk_blocks' keyword arguments: topk, local_blocks, init_blocks) the kernel also selects:
-    returns (scores, block ids [T, G, topk])."""
+    With `select` (topk_blocks' keyword arguments: topk, local_blocks, init_blocks) the kernel selects too and
+    returns the block ids [T, G, topk] instead."""
     T, G, _ = iq_TGD.shape
     ps = ik_pages.shape[1]
     P = page_table_RP.shape[1]
@@ -150,10 +150,7 @@ def block_scores(iq_TGD: jax.Array, ik_pages: jax.Array, page_table_RP: jax.Arra
         name=f"msa_block_scores_bt{bt}_bp{bp}" + ("_topk" if fused else ""),
         **extra,
     )(*args)
-    if fused:
-        scores, _, ids = out
-        return scores, ids[..., :select["topk"]]
-    return out
+    return out[2][..., :select["topk"]] if fused else out
 
 
 def select_from_block_scores(scores_TGN: jax.Array, pos_T: jax.Array, *, block_size: int, num_blocks: int,
@@ -213,15 +210,14 @@ def _topk_kernel(pos_ref, scores_ref, out_ref, *, rb: int, G: int, wp: int, P: i
 
 
 def topk_blocks(scores_TGW: jax.Array, pos_T: jax.Array, *, block_size: int, num_blocks: int, topk: int,
-                local_blocks: int, init_blocks: int = 0, rows_per_program: int | None = None,
-                interpret: bool = False) -> jax.Array:
+                local_blocks: int, init_blocks: int = 0, interpret: bool = False) -> jax.Array:
     """Pallas `select_from_block_scores`: the same forcing and the same ids in the same order as lax.top_k, as
     `topk` rounds of (row max, lowest index holding it) over each row held in registers. On the H200 it made the
     whole index op 28-38 us faster than `lax.top_k` at batch-64 decode (8k-128k) and 106 us at an 8k prefill."""
     T, G, W = scores_TGW.shape
     wp = 1 << max(0, (num_blocks - 1).bit_length())
     kp = 1 << max(0, (topk - 1).bit_length())
-    rb = rows_per_program or max(1, min(64, 2048 // wp))  # rows per program: ~2048 scores in registers
+    rb = max(1, min(64, 2048 // wp))  # rows per program: ~2048 scores in registers
     kernel = functools.partial(_topk_kernel, rb=rb, G=G, wp=wp, P=num_blocks, ps=block_size, topk=topk, kp=kp,
                                local_blocks=local_blocks, init_blocks=init_blocks)
     out = pl.pallas_call(
@@ -243,12 +239,11 @@ def paged_select_blocks(iq_TGD: jax.Array, ik_pages: jax.Array, page_table_RP: j
     if tiles.topk == "fused":
         sel = {"topk": topk, "local_blocks": local_blocks, "init_blocks": init_blocks}
         return block_scores(iq_TGD, ik_pages, page_table_RP, pos_T, qbs, tiles=tiles, select=sel,
-                            interpret=interpret)[1]
+                            interpret=interpret)
     scores = block_scores(iq_TGD, ik_pages, page_table_RP, pos_T, qbs, tiles=tiles, interpret=interpret)
     if tiles.topk == "pallas":
         return topk_blocks(scores, pos_T, block_size=ik_pages.shape[1], num_blocks=page_table_RP.shape[1],
-                           topk=topk, local_blocks=local_blocks, init_blocks=init_blocks,
-                           rows_per_program=tiles.topk_rows, interpret=interpret)
+                           topk=topk, local_blocks=local_blocks, init_blocks=init_blocks, interpret=interpret)
     return select_from_block_scores(scores, pos_T, block_size=ik_pages.shape[1], num_blocks=page_table_RP.shape[1],
                                     topk=topk, local_blocks=local_blocks, init_blocks=init_blocks)
 

@@ -445,11 +445,14 @@ VARIANTS = "tune"  # "tune": the sets the table was chosen from (and the KV-layo
 def _index_variants(kind: str, context: int, base: IndexTiles) -> list[IndexTiles]:
     r = dataclasses.replace
     if VARIANTS == "final":
-        # The top-k inside the scoring kernel (no second launch), longer page streams per program. (8 or 2 rows
-        # per top-k program were timed too, attention-h200-final.json: no better; that knob is gone.)
+        # The top-k inside the scoring kernel (no second launch) or as a second launch, and longer page streams
+        # per program. (8 or 2 rows per top-k program were timed too, attention-h200-final.json: no better;
+        # that knob is gone.)
         if kind != "decode":
             return []
-        return [r(base, topk="fused"), r(base, bp=base.bp * 2), r(base, bp=base.bp * 2, num_stages=4)]
+        out = [r(base, topk="fused"), r(base, topk="pallas"), r(base, topk="fused", bp=base.bp * 2),
+               r(base, topk="pallas", bp=base.bp * 2)]
+        return [t for t in dict.fromkeys(out) if t != base]
     if VARIANTS == "depth":
         return [r(base, num_stages=4), r(base, num_stages=2), r(base, num_warps=2)] if kind == "decode" else []
     if VARIANTS != "tune":

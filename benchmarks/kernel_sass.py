@@ -117,15 +117,14 @@ def lower_ttir(which: str, fmt: str, tiles, tokens: int) -> tuple[str, dict]:
     nb = SLOTS_PER_TOKEN if tokens == 1 else kernel.max_row_blocks(rows, S, bm)
     slot = sds((nb,), jnp.int32)
     experts = expert_structs(fmt)
-    cdt = kernel.compute_dtype(tiles, jnp.bfloat16)
     if which == "gate_up":
         def fn(x, slot, experts):
             return kernel.gate_up(x, slot, experts, tiles, alpha=1.702, limit=7.0)
-        args = (sds((nb * bm, D), cdt), slot, experts)
+        args = (sds((nb * bm, D), jnp.bfloat16), slot, experts)
     else:
         def fn(a, slot, rw, experts):
-            return kernel.down(a, slot, rw, experts, tiles, out_dtype=jnp.bfloat16)
-        args = (sds((nb * bm, F), cdt), slot, sds((nb * bm,), jnp.float32), experts)
+            return kernel.down(a, slot, rw, experts, tiles)
+        args = (sds((nb * bm, F), jnp.bfloat16), slot, sds((nb * bm,), jnp.float32), experts)
     dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="cuda")
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=dev)):
         lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))

@@ -119,6 +119,13 @@ def test_index_tiles_use_one_token_blocks_only_for_pure_decode():
     assert tuning.index_tiles(8192, 1, 64, 4).block_tokens is None  # a prefill chunk
 
 
+def test_index_tiles_fuse_the_topk_only_for_short_decode_contexts():
+    assert tuning.index_tiles(64, 64, 64, 4).topk == "fused"  # 8k tokens
+    assert tuning.index_tiles(256, 64, 64, 4).topk == "fused"  # drafts at 8k
+    assert tuning.index_tiles(64, 64, 256, 4).topk == "pallas"  # 32k: one program would rank 256 blocks
+    assert tuning.index_tiles(8192, 1, 64, 4).topk == "pallas"  # a prefill chunk
+
+
 def _selection(rng: np.random.Generator) -> jax.Array:
     iq, ik = _normal(rng, BATCH.num_tokens, K, DI), _normal(rng, NUM_PAGES, PS, DI)
     return msa_ref.paged_select_blocks(iq, ik, *_args(), topk=TOPK, local_blocks=1)

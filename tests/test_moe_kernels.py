@@ -233,56 +233,6 @@ def test_expand_asm_mode_runs_as_expand_in_interpret_mode() -> None:
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_e4m3_pair_f16_steps() -> None:
-    """The "f16_subdot" PTX's byte gather, in numpy from the same selectors: lane 0 of each half holds the
-    (low | high) bytes of the two words in order, which cvt.rn.f16x2.e4m3x2 widens low byte to low half (and
-    every e4m3 value is exact in f16)."""
-    rng = np.random.default_rng(1)
-    b = rng.integers(0, 256, size=(4, 4096)).astype(np.uint32)
-    reg = b[0] | (b[1] << 8) | (b[2] << 16) | (b[3] << 24)
-    for sel, (first, second) in zip(layout.E4M3_F16_PRMT, ((b[0], b[2]), (b[1], b[3])), strict=True):
-        x = _prmt(reg, sel)
-        np.testing.assert_array_equal(x, first | (second << 8))  # the upper lane is zero
-    finite = np.array([c for c in range(256) if c & 0x7F != 0x7F], np.uint8)
-    v = finite.view(mx.FP8)
-    np.testing.assert_array_equal(v.astype(np.float16).astype(np.float64), v.astype(np.float64))
-    assert all("cvt.rn.f16x2.e4m3x2" in layout.e4m3_pair_f16_ptx(h) for h in (0, 1))
-
-
-@pytest.mark.parametrize("scale_rows", [False, True])
-def test_f16_subdot_mode_equals_reference(scale_rows: bool) -> None:
-    """bf16 activations run as f16 (exact for bf16 values in f16's range; rows beyond it are scaled by a power
-    of two and unscaled in the epilogue): the result is the reference's function on the same weights, up to
-    summation order and the f16 rounding of the SwiGLU output, which the bf16 path rounds to bf16 instead."""
-    p = prepare_moe(moe_params(5), "mxfp8", keep_reference=False)
-    h = hidden(6, 19, jnp.bfloat16)
-    if scale_rows:  # rows far outside f16's range (the router then routes them by their direction)
-        h = h.at[3].multiply(2.0**20).at[11].multiply(2.0**30)
-    tiles = INTERPRET_TILES.replace(mx_mode="f16_subdot")
-    x, xs = kernel.kernel_rows(h, jnp.array([3, 11, 0]), tiles)
-    assert x.dtype == jnp.float16 and xs.dtype == jnp.float32
-    assert bool(jnp.all(jnp.isfinite(x))) and (float(xs[0]) > 1) == scale_rows and float(xs[2]) == 1.0
-    want = reference.moe(h.astype(jnp.float32), layout.reference_params(p, jnp.float32), **KW)
-    got = kernel.moe_pallas(h, p, interpret=True, tiles=tiles, **KW).astype(jnp.float32)
-    assert bool(jnp.all(jnp.isfinite(got)))
-    for t in range(h.shape[0]):  # row by row: the scaled rows are 2^20 and 2^30 times the others
-        err = float(jnp.abs(got[t] - want[t]).max() / jnp.abs(want[t]).max())
-        assert err < 1e-2, (t, err)
-
-
-def test_f16_subdot_falls_back_where_f16_cannot_hold_it() -> None:
-    """MXFP4 has no f16 conversion before sm_100; a SwiGLU limit whose outputs overflow f16 keeps bf16."""
-    assert kernel.f16_activations_fit(1.702, 7.0) and not kernel.f16_activations_fit(1.702, 400.0)
-    f16 = pick_tiles(1, "mxfp4").replace(mx_mode="f16_subdot")
-    assert kernel.kernel_tiles(1, prepare_moe(moe_params(5), "mxfp4")["experts"], tiles=f16).mx_mode == "expand"
-    p = prepare_moe(moe_params(5), "mxfp8", keep_reference=False)
-    h = hidden(6, 7, jnp.bfloat16)
-    kw = dict(KW, limit=400.0)
-    a = kernel.moe_pallas(h, p, interpret=True, tiles=INTERPRET_TILES.replace(mx_mode="f16_subdot"), **kw)
-    b = kernel.moe_pallas(h, p, interpret=True, tiles=INTERPRET_TILES, **kw)
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-
-
 def test_wide_scales_fall_back_from_expand_asm() -> None:
     """A block maximum of 2^20 needs an E8M0 scale above 134, which the inline-PTX widening's folded bf16 scale
     cannot hold: prepare marks such experts and the kernels run "expand" for them; ordinary weights keep the

@@ -20,6 +20,8 @@ KV_WRITE_PALLAS_MIN_ROWS = 1024
 # query blocks of many rows so the matrix units see M >= 64.
 DECODE_ROWS_PER_REQUEST = 8
 NUM_SMS = 132  # H200
+# Decode index: page tables up to this wide (8k tokens) take the top-k inside the scoring kernel (index_tiles).
+FUSED_TOPK_MAX_PAGES = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,7 +31,7 @@ class IndexTiles:
     num_warps: int = 4
     num_stages: int = 3
     # Top-k over the block scores: "pallas" (msa.kernel.topk_blocks, a second launch), "xla" (lax.top_k) or
-    # "fused" (the last program of each query block selects inside the scoring kernel; not yet timed on a GPU).
+    # "fused" (the last program of each query block selects inside the scoring kernel: no second launch).
     topk: str = "pallas"
     # Tokens per query block (None: bt). 1 when every request has one row: each token is then its own block
     # (nothing to share), the program's bt-row tile is mostly masked, and the block metadata is an iota instead
@@ -63,8 +65,13 @@ def index_tiles(num_tokens: int, num_rows: int, pages_per_row: int, index_heads:
         # programs per SM (H200, batch 64, kernel alone: 8k 16 pages/program 1.77x its floor vs 8 pages 2.3x;
         # 32k 64 pages 1.32x; 128k 64 pages 1.24x, 32 pages 1.11-1.26x across runs).
         want = max(1, num_rows * pages_per_row // (2 * NUM_SMS))
+        # Short contexts select inside the scoring kernel: the second launch and the gap before it are a third
+        # of the op there (8k: 46.9 us fused against 49-51 us in five earlier runs of the two launches). Long
+        # ones do not: one program then ranks hundreds of blocks alone (32k: 159.8 against 151.7 us, 128k:
+        # 619 against 550 us, same run; benchmarks/results/attention-h200-final.json).
+        topk = "fused" if pages_per_row <= FUSED_TOPK_MAX_PAGES else "pallas"
         return IndexTiles(bt=max(min_bt, _pow2_at_least(rows)), bp=min(64, max(8, _pow2_at_least(want))),
-                          block_tokens=1 if num_tokens <= num_rows else None)
+                          topk=topk, block_tokens=1 if num_tokens <= num_rows else None)
     # Prefill: compute-bound; M = 64 rows per dot (8k chunk: 180 us vs 237 us at M = 128), 8 pages per program
     # so causal-empty programs exit early.
     return IndexTiles(bt=max(min_bt, _pow2_at_least(max(1, 64 // index_heads))), bp=8)

@@ -183,19 +183,6 @@ def _mac(acc: jax.Array, x_ref, row0: jax.Array, k0: jax.Array, w_refs: tuple, s
                     layout.e4m3_pair_widening_ptx(h), args=[word, s], constraints="=r,r,r", pack=2,
                     result_shape_dtypes=[jax.ShapeDtypeStruct(word.shape, jnp.bfloat16)])
                 acc = acc + _dot(x_ref[rows, pl.ds(kg + h * half, half)], w.astype(cdt))
-        elif mx_mode == "f16_subdot" and fmt == "mxfp8":
-            # f16 activations (routed_experts_pallas converts them): one hardware cvt widens a pair of e4m3
-            # exactly to f16, and each 32-row sub-dot is scaled in fp32 afterwards, so no bit moves or scale
-            # multiply touch the weights.
-            for c in range(2):
-                word = q_ref[slot, pl.ds(kg // 2 + c * mx.BLOCK, mx.BLOCK), cols]
-                for h in range(2):
-                    piece = 2 * h + c
-                    [w] = pltriton.elementwise_inline_asm(
-                        layout.e4m3_pair_f16_ptx(h), args=[word], constraints="=r,r", pack=2,
-                        result_shape_dtypes=[jax.ShapeDtypeStruct(word.shape, jnp.float16)])
-                    s = mx.e8m0_to_f32(s_ref[slot, pl.ds(sb + piece, 1), cols])
-                    acc = acc + _dot(x_ref[rows, pl.ds(kg + piece * mx.BLOCK, mx.BLOCK)], w) * s
         elif mx_mode in ("expand", "expand_asm"):  # expand_asm on MXFP4: no PTX path, the plain expand
             # Widen a whole [64, bn] half tile (scale broadcast over its 32-row blocks), then one dot.
             for h, code in enumerate(halves(pl.ds(kg // 2, half))):
@@ -214,8 +201,7 @@ def _mac(acc: jax.Array, x_ref, row0: jax.Array, k0: jax.Array, w_refs: tuple, s
 
 
 def _gate_up_kernel(slot_ref, x_ref, *refs, n_w: int, fmt: str, bm: int, kt: KernelTiles, nb: int, nt: int,
-                    group: int, mx_mode: str, alpha: float, limit: float, row_scaled: bool):
-    xs_ref, refs = (refs[0], refs[1:]) if row_scaled else (None, refs)
+                    group: int, mx_mode: str, alpha: float, limit: float):
     g_refs, u_refs, o_ref = refs[:n_w], refs[n_w:2 * n_w], refs[2 * n_w]
     b, j = _block_and_tile(nb, nt, group)
     slot = slot_ref[b]
@@ -233,9 +219,6 @@ def _gate_up_kernel(slot_ref, x_ref, *refs, n_w: int, fmt: str, bm: int, kt: Ker
 
         zeros = jnp.zeros((bm, kt.bn), jnp.float32)
         gate, up = jax.lax.fori_loop(0, x_ref.shape[1] // kt.bk, step, (zeros, zeros))
-        if xs_ref is not None:  # undo the power-of-two row scaling that kept x in f16 range (exact)
-            xs = xs_ref[pl.ds(row0, bm)][:, None]
-            gate, up = gate * xs, up * xs
         # SwiGLU-OAI (the reference's own function) on the fp32 accumulators, before the one rounding to bf16.
         act = swiglu_oai(gate, up, alpha=alpha, limit=limit)
         o_ref[pl.ds(row0, bm), pl.ds(n0, kt.bn)] = act.astype(o_ref.dtype)
@@ -265,10 +248,8 @@ def _down_kernel(slot_ref, rw_ref, a_ref, *refs, fmt: str, bm: int, kt: KernelTi
 
 def _mode(tiles: MoeTiles, interpret: bool) -> str:
     """The MX mode a kernel runs: inline PTX cannot run in the interpreter, where "expand_asm" computes the same
-    values the plain "expand" way and "f16_subdot" the "subdot" way (on the same f16 activations)."""
-    if interpret:
-        return {"expand_asm": "expand", "f16_subdot": "subdot"}.get(tiles.mx_mode, tiles.mx_mode)
-    return tiles.mx_mode
+    values the plain "expand" way."""
+    return "expand" if interpret and tiles.mx_mode == "expand_asm" else tiles.mx_mode
 
 
 def _check_offsets(*arrays: jax.Array) -> None:
@@ -286,9 +267,8 @@ def _check_tiles(bm: int, kt: KernelTiles, k: int, n: int, fmt: str) -> None:
 
 
 def gate_up(x_MD: jax.Array, slot_B: jax.Array, experts: dict, tiles: MoeTiles, *, alpha: float, limit: float,
-            x_scale_M: jax.Array | None = None, interpret: bool = False) -> jax.Array:
-    """act [M, F] = SwiGLU-OAI(s * (x @ gate[slot]), s * (x @ up[slot])) per row block, s = x_scale_M (fp32,
-    default 1)."""
+            interpret: bool = False) -> jax.Array:
+    """act [M, F] = SwiGLU-OAI(x @ gate[slot], x @ up[slot]) per row block."""
     fmt = layout.weight_format(experts)
     g_arrays, u_arrays = layout.weight_arrays(experts, "gate"), layout.weight_arrays(experts, "up")
     M, D = x_MD.shape
@@ -299,8 +279,7 @@ def gate_up(x_MD: jax.Array, slot_B: jax.Array, experts: dict, tiles: MoeTiles, 
     nt = F // kt.bn
     kernel = functools.partial(_gate_up_kernel, n_w=len(g_arrays), fmt=fmt, bm=tiles.bm, kt=kt, nb=nb, nt=nt,
                                group=min(tiles.group, nb), mx_mode=_mode(tiles, interpret), alpha=alpha,
-                               limit=limit, row_scaled=x_scale_M is not None)
-    row_scale = () if x_scale_M is None else (x_scale_M,)
+                               limit=limit)
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((M, F), x_MD.dtype),
@@ -308,12 +287,12 @@ def gate_up(x_MD: jax.Array, slot_B: jax.Array, experts: dict, tiles: MoeTiles, 
         compiler_params=pltriton.CompilerParams(num_warps=kt.warps, num_stages=kt.stages),
         interpret=interpret,
         name=f"moe_gate_up_{fmt}",
-    )(slot_B, x_MD, *row_scale, *g_arrays, *u_arrays)
+    )(slot_B, x_MD, *g_arrays, *u_arrays)
 
 
 def down(act_MF: jax.Array, slot_B: jax.Array, row_weight_M: jax.Array, experts: dict, tiles: MoeTiles, *,
-         out_dtype: jnp.dtype | None = None, interpret: bool = False) -> jax.Array:
-    """y [M, D] = row_weight * (act @ down[slot]) per row block, in `out_dtype` (default act's)."""
+         interpret: bool = False) -> jax.Array:
+    """y [M, D] = row_weight * (act @ down[slot]) per row block."""
     fmt = layout.weight_format(experts)
     w_arrays = layout.weight_arrays(experts, "down")
     M, F = act_MF.shape
@@ -326,7 +305,7 @@ def down(act_MF: jax.Array, slot_B: jax.Array, row_weight_M: jax.Array, experts:
                                group=min(tiles.group, nb), mx_mode=_mode(tiles, interpret))
     return pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((M, D), out_dtype or act_MF.dtype),
+        out_shape=jax.ShapeDtypeStruct((M, D), act_MF.dtype),
         grid=(nb * nt,),
         compiler_params=pltriton.CompilerParams(num_warps=kt.warps, num_stages=kt.stages),
         interpret=interpret,
@@ -352,38 +331,7 @@ def kernel_tiles(num_tokens: int, experts: dict, *, tiles: MoeTiles | None = Non
     tiles = tiles or pick_tiles(num_tokens, fmt, interpret=interpret)
     if tiles.mx_mode == "expand_asm" and layout.WIDE_SCALES in experts:
         tiles = tiles.replace(mx_mode="expand")  # scales the folded bf16 scale cannot hold (layout.py)
-    if tiles.mx_mode == "f16_subdot" and fmt != "mxfp8":
-        tiles = tiles.replace(mx_mode="expand")  # no f16 conversion of E2M1 before sm_100
     return fit_tiles(tiles, d_model, d_ff, fmt)
-
-
-# "f16_subdot" runs both GEMMs on f16 activations. A row of x is scaled by a power of two into f16's range
-# (|x| <= 2^15 < 65504; exact, and a no-op for any row already in range) and the gate_up epilogue undoes it.
-# The SwiGLU-OAI output needs no scaling: its clamps bound it by (limit + 1) * limit, checked here.
-F16_ROW_MAX_LOG2 = 15
-
-
-def f16_activations_fit(alpha: float, limit: float) -> bool:
-    """Whether SwiGLU-OAI(limit, alpha) outputs stay inside f16's range (gate * sigmoid(alpha * gate) >= -0.28
-    / alpha for a negative gate, <= limit for a positive one; |up + 1| <= limit + 1)."""
-    return (limit + 1.0) * max(limit, 0.28 / alpha) < 2.0**F16_ROW_MAX_LOG2
-
-
-def compute_dtype(tiles: MoeTiles, dtype: jnp.dtype) -> jnp.dtype:
-    """The dtype the kernels' x and act arrays take: f16 for "f16_subdot", else the activations' own."""
-    return jnp.dtype(jnp.float16) if tiles.mx_mode == "f16_subdot" else jnp.dtype(dtype)
-
-
-def kernel_rows(h_TD: jax.Array, row_token_M: jax.Array, tiles: MoeTiles) -> tuple[jax.Array, jax.Array | None]:
-    """(x_MD, x_scale_M): the rows the gate_up kernel reads, in its compute dtype; x_scale_M (fp32, for
-    gate_up's epilogue) only where the rows were scaled into f16's range."""
-    if compute_dtype(tiles, h_TD.dtype) != jnp.float16 or h_TD.dtype == jnp.float16:
-        return h_TD[row_token_M], None
-    h32 = h_TD.astype(jnp.float32)
-    _, exp_T = jnp.frexp(jnp.max(jnp.abs(h32), axis=1))  # max |h_t| < 2^exp
-    e_T = jnp.maximum(exp_T - F16_ROW_MAX_LOG2, 0)
-    x_TD = (h32 * jnp.ldexp(1.0, -e_T)[:, None]).astype(jnp.float16)
-    return x_TD[row_token_M], jnp.ldexp(1.0, e_T)[row_token_M].astype(jnp.float32)
 
 
 def routed_experts_pallas(h_TD: jax.Array, idx_TK: jax.Array, w_TK: jax.Array, experts: dict, *,
@@ -397,14 +345,11 @@ def routed_experts_pallas(h_TD: jax.Array, idx_TK: jax.Array, w_TK: jax.Array, e
     tiles = kernel_tiles(T, experts, tiles=tiles, interpret=interpret)
     if tiles is None:
         raise ValueError(f"no MoE tile fits these expert shapes ({fmt}); use the reference")
-    if tiles.mx_mode == "f16_subdot" and not f16_activations_fit(alpha, limit):
-        tiles = tiles.replace(mx_mode="expand_asm" if layout.WIDE_SCALES not in experts else "expand")
     lay = sort_and_pad(idx_TK, w_TK, num_slots=layout.num_slots(experts), shared_slot=shared_slot, bm=tiles.bm,
                        routed_scaling=routed_scaling, method=layout_method)
-    x_MD, x_scale_M = kernel_rows(h_TD, lay.row_token_M, tiles)
-    act_MF = gate_up(x_MD, lay.slot_B, experts, tiles, alpha=alpha, limit=limit, x_scale_M=x_scale_M,
-                     interpret=interpret)
-    y_MD = down(act_MF, lay.slot_B, lay.row_weight_M, experts, tiles, out_dtype=h_TD.dtype, interpret=interpret)
+    x_MD = h_TD[lay.row_token_M]
+    act_MF = gate_up(x_MD, lay.slot_B, experts, tiles, alpha=alpha, limit=limit, interpret=interpret)
+    y_MD = down(act_MF, lay.slot_B, lay.row_weight_M, experts, tiles, interpret=interpret)
     # Each token's k (+1) rows, gathered and summed in fp32: rows are owned by one program each, so the
     # combine needs no atomics and is deterministic.
     return jnp.sum(y_MD[lay.dest_TJ].astype(jnp.float32), axis=1)

@@ -147,24 +147,6 @@ mul.rn.bf16x2 $0, a, $2;
 }}"""
 
 
-# e4m3 pairs -> f16 pairs by the hardware conversion (the "f16_subdot" kernel mode): PRMT gathers one byte of
-# each of a register's two words into a 16-bit lane, which cvt.rn.f16x2.e4m3x2 widens (low byte -> low half).
-# Every e4m3 value, subnormals included, is exact in f16, so no scale is folded in: the kernel multiplies each
-# 32-row sub-dot by its block scale in fp32 afterwards.
-E4M3_F16_PRMT = (0x4420, 0x4431)  # low bytes of the two words, high bytes of the two words (upper lane zero)
-
-
-def e4m3_pair_f16_ptx(half: int) -> str:
-    """Inline PTX: $1 = two 16-bit words -> $0 = f16x2 of the words' low (half 0) or high (half 1) bytes."""
-    return f"""{{
-.reg .b32 a;
-.reg .b16 lo, hi;
-prmt.b32 a, $1, 0, {E4M3_F16_PRMT[half]:#x};
-mov.b32 {{lo, hi}}, a;
-cvt.rn.f16x2.e4m3x2 $0, lo;
-}}"""
-
-
 def e4m3_bf16_scale(s: jax.Array) -> jax.Array:
     """E8M0 bytes -> bf16 2^(s - 7): the block scale times the 2^120 that the bit-moved e4m3 values lack."""
     bits = (s.astype(jnp.int32) + E4M3_BF16_BIAS) << 7

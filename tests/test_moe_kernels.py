@@ -195,11 +195,15 @@ def test_kernel_subdot_mode_equals_expand(fmt: str) -> None:
 
 
 def _prmt(a: np.ndarray, sel: int) -> np.ndarray:
-    """PTX prmt.b32 d, a, 0, sel (default mode): byte i of d is byte (sel >> 4i) & 7 of {a, 0}."""
+    """PTX prmt.b32 d, a, 0, sel (default mode): byte i of d is byte (sel >> 4i) & 7 of {a, 0}, or that byte's
+    sign bit replicated to 8 bits when bit 3 of the selector nibble is set."""
     out = np.zeros_like(a)
     for i in range(4):
-        src = (sel >> (4 * i)) & 7
+        nib = (sel >> (4 * i)) & 0xF
+        src = nib & 7
         byte = (a >> (8 * src)) & 0xFF if src < 4 else np.zeros_like(a)
+        if nib & 8:
+            byte = np.where(byte & 0x80, 0xFF, 0).astype(a.dtype)
         out |= byte << (8 * i)
     return out
 
@@ -215,14 +219,17 @@ def test_e4m3_pair_widening_steps() -> None:
     fp8 = mx.FP8
     for sel, (first, second) in zip(layout.E4M3_BF16_PRMT, ((b[0], b[2]), (b[1], b[3])), strict=True):
         x = _prmt(reg, sel)
-        y = (x & layout.E4M3_BF16_SIGN) | ((x >> layout.E4M3_BF16_SHIFT) & layout.E4M3_BF16_MAG)
+        y = ((x << layout.E4M3_BF16_SHIFT) & 0xFFFFFFFF) & layout.E4M3_BF16_MASK
         for lane, want in ((y & 0xFFFF, first), (y >> 16, second)):
             got = (lane.astype(np.uint32) << 16).view(np.float32).astype(np.float64) * 2.0**120
             np.testing.assert_array_equal(got, want.astype(np.uint8).view(fp8).astype(np.float64))
     s = jnp.arange(1, layout.E4M3_BF16_MAX_SCALE + 1, dtype=jnp.uint8)
     np.testing.assert_array_equal(np.asarray(layout.e4m3_bf16_scale(s).astype(jnp.float32)),
                                   np.ldexp(1.0, np.arange(1, layout.E4M3_BF16_MAX_SCALE + 1) - 7))
-    assert all("mul.rn.bf16x2" in layout.e4m3_pair_widening_ptx(h) for h in (0, 1))
+    for h in (0, 1):
+        ptx = layout.e4m3_pair_widening_ptx(h)
+        assert "mul.rn.bf16x2" in ptx and f"{layout.E4M3_BF16_PRMT[h]:#x}" in ptx
+        assert f"{layout.E4M3_BF16_MASK:#x}" in ptx
 
 
 def test_expand_asm_mode_runs_as_expand_in_interpret_mode() -> None:

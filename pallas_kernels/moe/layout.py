@@ -110,13 +110,15 @@ def decode_codes(codes: jax.Array, fmt: str, dtype: jnp.dtype = jnp.float32) -> 
 
 # e4m3 pairs -> bf16 pairs by bit moves in one 32-bit register (the "expand_asm" kernel mode's inline PTX, which
 # these constants build; tests/test_moe_kernels.py emulates the same steps). A register holds two of our 16-bit
-# words, i.e. bytes [lo(w0), hi(w0), lo(w1), hi(w1)]. PRMT puts one byte of each word into the high byte of a
-# 16-bit lane, (x & SIGN) | ((x >> 4) & MAG) moves e4m3's sign / exponent / mantissa into bf16's fields: the bf16
-# is exactly 2^-120 times the e4m3 value, subnormals included (they become bf16 subnormals, which the packed bf16
-# multiply keeps). The block scale carries the 2^120: 2^(s - 7), bf16 bits (s + 120) << 7, exact for
-# s <= E4M3_BF16_MAX_SCALE.
-E4M3_BF16_PRMT = (0x2404, 0x3414)  # byte selectors: low bytes of the two words, high bytes of the two words
-E4M3_BF16_SIGN, E4M3_BF16_MAG, E4M3_BF16_SHIFT = 0x80008000, 0x07F007F0, 4
+# words, i.e. bytes [lo(w0), hi(w0), lo(w1), hi(w1)]. PRMT makes each 16-bit lane [sign byte | e4m3 byte]: one
+# byte of each word, under it's sign replicated to 8 bits (PRMT's sign-extend selectors). A left shift by 4 moves
+# e4m3's exponent and mantissa into bf16's fields and a replicated sign bit into bit 15; the AND clears what is
+# left of the sign replicas (and what the shift carried in from the lower lane). The bf16 is then exactly 2^-120
+# times the e4m3 value, subnormals included (they become bf16 subnormals, which the packed bf16 multiply keeps).
+# Three integer ops a register: the integer pipe runs at half rate on the H200 and bounds this kernel. The block
+# scale carries the 2^120: 2^(s - 7), bf16 bits (s + 120) << 7, exact for s <= E4M3_BF16_MAX_SCALE.
+E4M3_BF16_PRMT = (0xA280, 0xB391)  # low bytes of the two words, high bytes of the two words, each with its sign
+E4M3_BF16_SHIFT, E4M3_BF16_MASK = 4, 0x87F087F0
 E4M3_BF16_BIAS = 120
 E4M3_BF16_MAX_SCALE = 254 - E4M3_BF16_BIAS
 # Marker key (an empty array) in MXFP8 experts with a scale above E4M3_BF16_MAX_SCALE (block maxima of 2^16 and
@@ -134,15 +136,24 @@ def mark_wide_scales(experts: dict) -> dict:
     return dict(experts, **{WIDE_SCALES: jnp.zeros((0,), jnp.uint8)}) if top > E4M3_BF16_MAX_SCALE else experts
 
 
-def e4m3_pair_widening_ptx(half: int) -> str:
+def e4m3_pair_widening_ptx(half: int, *, legacy: bool = False) -> str:
     """Inline PTX: $1 = two 16-bit words, $2 = a bf16x2 block scale -> $0 = bf16x2 of the words' low (half 0) or
     high (half 1) bytes, scaled. (One result per asm: Pallas' Triton lowering takes a single result.)"""
-    return f"""{{
+    if legacy:
+        sel = (0x2404, 0x3414)[half]
+        return f"""{{
 .reg .b32 a, t;
+prmt.b32 a, $1, 0, {sel:#x};
+shr.b32 t, a, 4;
+and.b32 t, t, 0x07F007F0;
+lop3.b32 a, a, 0x80008000, t, 0xEA;
+mul.rn.bf16x2 $0, a, $2;
+}}"""
+    return f"""{{
+.reg .b32 a;
 prmt.b32 a, $1, 0, {E4M3_BF16_PRMT[half]:#x};
-shr.b32 t, a, {E4M3_BF16_SHIFT};
-and.b32 t, t, {E4M3_BF16_MAG:#x};
-lop3.b32 a, a, {E4M3_BF16_SIGN:#x}, t, 0xEA;
+shl.b32 a, a, {E4M3_BF16_SHIFT};
+and.b32 a, a, {E4M3_BF16_MASK:#x};
 mul.rn.bf16x2 $0, a, $2;
 }}"""
 

@@ -48,6 +48,12 @@ def candidates(T: int, fmt: str) -> list[MoeTiles]:
     base = pick_tiles(T, fmt)
     reg = regime(T)
     out: list[MoeTiles] = []
+    if T == 1:
+        # Split K: one token's 5 slots make few output tiles (240 programs for 132 SMs at the table's tiles).
+        out += [base.replace(gu=dataclasses.replace(base.gu, split=g), dn=dataclasses.replace(base.dn, split=d))
+                for g, d in ((2, 2), (3, 3), (4, 4), (2, 1), (3, 1), (1, 2), (3, 2)) if (g, d) != (base.gu.split,
+                                                                                              base.dn.split)]
+        out.append(base.replace(gu=dataclasses.replace(base.gu, split=1), dn=dataclasses.replace(base.dn, split=1)))
     if fmt != "dense" and base.mx_mode == "expand":
         out.append(base.replace(mx_mode="subdot") if reg != "prefill" else None)
     if reg == "decode" and fmt != "dense":

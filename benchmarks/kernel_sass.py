@@ -90,8 +90,8 @@ json.dump({"shared": k.metadata.shared, "triton": triton.__version__, "res": res
 def parse_tiles(s: str | None, default: KernelTiles) -> KernelTiles:
     if not s:
         return default
-    bn, bk, warps, stages = (int(v) for v in s.split(","))
-    return KernelTiles(bn=bn, bk=bk, warps=warps, stages=stages)
+    bn, bk, warps, stages, *split = (int(v) for v in s.split(","))
+    return KernelTiles(bn=bn, bk=bk, warps=warps, stages=stages, split=split[0] if split else 1)
 
 
 def expert_structs(fmt: str) -> dict:
@@ -266,8 +266,8 @@ def main() -> None:
     ap.add_argument("--format", choices=list(FORMATS), default="mxfp8")
     ap.add_argument("--mx-mode", default=None, help="the tiles' mx_mode (default: the table's)")
     ap.add_argument("--tokens", type=int, default=8, help="T (picks the regime's tiles and the row-block count)")
-    ap.add_argument("--gu", help="gate_up tiles bn,bk,warps,stages (default: the table's)")
-    ap.add_argument("--dn", help="down tiles bn,bk,warps,stages (default: the table's)")
+    ap.add_argument("--gu", help="gate_up tiles bn,bk,warps,stages[,split] (default: the table's)")
+    ap.add_argument("--dn", help="down tiles bn,bk,warps,stages[,split] (default: the table's)")
     ap.add_argument("--triton-python", default=os.environ.get("KERNEL_SASS_PYTHON", sys.executable),
                     help="a python with triton (env KERNEL_SASS_PYTHON; default: this one)")
     ap.add_argument("--capability", type=int, default=90)

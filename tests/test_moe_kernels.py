@@ -194,6 +194,24 @@ def test_kernel_subdot_mode_equals_expand(fmt: str) -> None:
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5 * float(jnp.abs(a).max()))
 
 
+@pytest.mark.parametrize("fmt,bk,split", [("bf16", 32, 2), ("bf16", 32, 4), ("mxfp8", 128, 2)])
+def test_split_k_equals_reference(fmt: str, bk: int, split: int) -> None:
+    """Split K (what single-token decode uses for more programs): gate_up's last program of each tile sums the
+    fp32 partials in split order, down's partials are summed by the combine. An empty expert and a hot one,
+    19 tokens (not a multiple of the 16-row blocks); deterministic from call to call."""
+    p = prepare_moe(moe_params(11, bias=bias_with(hot=[2], cold=[5])), fmt, keep_reference=False)
+    h = hidden(12, 19)
+    kt = dataclasses.replace(INTERPRET_TILES.gu, bk=bk, split=split)
+    tiles = INTERPRET_TILES.replace(gu=kt, dn=dataclasses.replace(kt, split=split))
+    fitted = kernel.kernel_tiles(19, p["experts"], tiles=tiles, interpret=True)
+    assert fitted.gu.split == split and (fitted.dn.split == split) == (fmt == "bf16")  # MX down: one K step
+    want = reference.moe(h, layout.reference_params(p, jnp.float32), **KW)
+    got = kernel.moe_pallas(h, p, interpret=True, tiles=tiles, **KW)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5 * float(jnp.abs(want).max()))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(kernel.moe_pallas(h, p, interpret=True, tiles=tiles,
+                                                                                **KW)))
+
+
 def _prmt(a: np.ndarray, sel: int) -> np.ndarray:
     """PTX prmt.b32 d, a, 0, sel (default mode): byte i of d is byte (sel >> 4i) & 7 of {a, 0}, or that byte's
     sign bit replicated to 8 bits when bit 3 of the selector nibble is set."""

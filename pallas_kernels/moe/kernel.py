@@ -133,14 +133,21 @@ def _compare_layout(e_R: jax.Array, w_R: jax.Array, *, T: int, J: int, num_slots
 # ---- in-kernel pieces ------------------------------------------------------------------------------------
 
 
-def _block_and_tile(nb: int, nt: int, group: int) -> tuple[jax.Array, jax.Array]:
-    """Program id -> (row block, N tile): row blocks fastest inside groups of `group`, then N tiles."""
-    pid = pl.program_id(0)
+def _block_and_tile(nb: int, nt: int, group: int, split: int = 1) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Program id -> (row block, N tile, K split): the `split` programs of one output tile next to each other
+    (so they run together), then row blocks fastest inside groups of `group`, then N tiles."""
+    pid = pl.program_id(0) // split
     per_group = group * nt
     first = (pid // per_group) * group
     size = jnp.minimum(nb - first, group)
     local = pid % per_group
-    return first + local % size, local // size
+    return first + local % size, local // size, pl.program_id(0) % split
+
+
+def _k_steps(k: int, kt: KernelTiles, s: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The K steps [lo, hi) that split s of kt.split accumulates."""
+    per = k // kt.bk // kt.split
+    return s * per, (s + 1) * per
 
 
 def _expand_rows(s_RN: jax.Array, rep: int) -> jax.Array:
@@ -202,9 +209,10 @@ def _mac(acc: jax.Array, x_ref, row0: jax.Array, k0: jax.Array, w_refs: tuple, s
 
 
 def _gate_up_kernel(slot_ref, x_ref, *refs, n_w: int, fmt: str, bm: int, kt: KernelTiles, nb: int, nt: int,
-                    group: int, mx_mode: str, alpha: float, limit: float):
-    g_refs, u_refs, o_ref = refs[:n_w], refs[n_w:2 * n_w], refs[2 * n_w]
-    b, j = _block_and_tile(nb, nt, group)
+                    group: int, mx_mode: str, alpha: float, limit: float, interpret: bool):
+    g_refs, u_refs = refs[:n_w], refs[n_w:2 * n_w]
+    o_ref = refs[-1] if kt.split == 1 else refs[-3]  # (split-K: count in, act, partials, count out)
+    b, j, ks = _block_and_tile(nb, nt, group, kt.split)
     slot = slot_ref[b]
 
     @pl.when(slot >= 0)
@@ -219,16 +227,51 @@ def _gate_up_kernel(slot_ref, x_ref, *refs, n_w: int, fmt: str, bm: int, kt: Ker
             return mac(accs[0], k0=k0, w_refs=g_refs), mac(accs[1], k0=k0, w_refs=u_refs)
 
         zeros = jnp.zeros((bm, kt.bn), jnp.float32)
-        gate, up = jax.lax.fori_loop(0, x_ref.shape[1] // kt.bk, step, (zeros, zeros))
-        # SwiGLU-OAI (the reference's own function) on the fp32 accumulators, before the one rounding to bf16.
-        act = swiglu_oai(gate, up, alpha=alpha, limit=limit)
-        o_ref[pl.ds(row0, bm), pl.ds(n0, kt.bn)] = act.astype(o_ref.dtype)
+        gate, up = jax.lax.fori_loop(*_k_steps(x_ref.shape[1], kt, ks), step, (zeros, zeros))
+        rows, cols = pl.ds(row0, bm), pl.ds(n0, kt.bn)
+
+        def epilogue(gate: jax.Array, up: jax.Array) -> None:
+            # SwiGLU-OAI (the reference's own function) on the fp32 accumulators, before the one rounding to bf16.
+            o_ref[rows, cols] = swiglu_oai(gate, up, alpha=alpha, limit=limit).astype(o_ref.dtype)
+
+        if kt.split == 1:
+            epilogue(gate, up)
+        else:
+            _last_split_sums(refs[-2], refs[-1], gate, up, b * nt + j, ks, rows, cols, epilogue, split=kt.split,
+                             interpret=interpret)
+
+
+def _last_split_sums(part_ref, count_ref, gate, up, tile, ks, rows, cols, epilogue, *, split: int,
+                     interpret: bool) -> None:
+    """Split-K gate_up: each of a tile's `split` programs stores its fp32 partials; the last to finish sums
+    them all in split order (so the result does not depend on who finished last) and runs the epilogue.
+
+    The barrier orders every thread's partial stores before the counter's acquire-release atomic add (GPU
+    scope); the program that sees the count reach split - 1 then reads the others' partials with volatile
+    loads (from L2, not a stale L1 line). The counter starts at zero every call (an aliased zeros input)."""
+    F = part_ref.shape[2] // 2
+    up_cols = pl.ds(cols.start + F, cols.size)
+    part_ref[ks, rows, cols] = gate
+    part_ref[ks, rows, up_cols] = up
+    if not interpret:  # the interpreter runs programs one after another and has no barrier primitive
+        pltriton.debug_barrier()
+    done = pltriton.atomic_add(count_ref, tile, jnp.ones((), jnp.int32))
+
+    @pl.when(done == split - 1)
+    def _():
+        def part(i: int, c: pl.Slice) -> jax.Array:
+            return pltriton.load(part_ref.at[pl.ds(i, 1), rows, c], volatile=True)[0]
+
+        g, u = part(0, cols), part(0, up_cols)
+        for i in range(1, split):
+            g, u = g + part(i, cols), u + part(i, up_cols)
+        epilogue(g, u)
 
 
 def _down_kernel(slot_ref, rw_ref, a_ref, *refs, fmt: str, bm: int, kt: KernelTiles, nb: int, nt: int,
                  group: int, mx_mode: str):
     w_refs, o_ref = refs[:-1], refs[-1]
-    b, j = _block_and_tile(nb, nt, group)
+    b, j, ks = _block_and_tile(nb, nt, group, kt.split)
     slot = slot_ref[b]
 
     @pl.when(slot >= 0)
@@ -241,10 +284,13 @@ def _down_kernel(slot_ref, rw_ref, a_ref, *refs, fmt: str, bm: int, kt: KernelTi
             return _mac(acc, a_ref, row0, k0, w_refs, slot, n0, fmt=fmt, bm=bm, bn=kt.bn, bk=kt.bk,
                         mx_mode=mx_mode)
 
-        acc = jax.lax.fori_loop(0, a_ref.shape[1] // kt.bk, step, jnp.zeros((bm, kt.bn), jnp.float32))
+        acc = jax.lax.fori_loop(*_k_steps(a_ref.shape[1], kt, ks), step, jnp.zeros((bm, kt.bn), jnp.float32))
         # The combine weight (routing weight * routed_scaling; 1 for the shared slot) is applied here, in fp32.
-        rw = rw_ref[pl.ds(row0, bm)]
-        o_ref[pl.ds(row0, bm), pl.ds(n0, kt.bn)] = (acc * rw[:, None]).astype(o_ref.dtype)
+        y = acc * rw_ref[pl.ds(row0, bm)][:, None]
+        if kt.split == 1:
+            o_ref[pl.ds(row0, bm), pl.ds(n0, kt.bn)] = y.astype(o_ref.dtype)
+        else:  # fp32 partials [split, M, D], summed by the combine
+            o_ref[ks, pl.ds(row0, bm), pl.ds(n0, kt.bn)] = y
 
 
 def _mode(tiles: MoeTiles, interpret: bool) -> str:
@@ -280,20 +326,31 @@ def gate_up(x_MD: jax.Array, slot_B: jax.Array, experts: dict, tiles: MoeTiles, 
     nt = F // kt.bn
     kernel = functools.partial(_gate_up_kernel, n_w=len(g_arrays), fmt=fmt, bm=tiles.bm, kt=kt, nb=nb, nt=nt,
                                group=min(tiles.group, nb), mx_mode=_mode(tiles, interpret), alpha=alpha,
-                               limit=limit)
-    return pl.pallas_call(
+                               limit=limit, interpret=interpret)
+    args = (slot_B, x_MD, *g_arrays, *u_arrays)
+    out_shape = jax.ShapeDtypeStruct((M, F), x_MD.dtype)
+    extra = {}
+    if kt.split > 1:  # fp32 partials of each split, and per output tile the programs done (zeros, aliased)
+        args = (*args, jnp.zeros((nb * nt,), jnp.int32))
+        out_shape = (out_shape, jax.ShapeDtypeStruct((kt.split, M, 2 * F), jnp.float32),
+                     jax.ShapeDtypeStruct((nb * nt,), jnp.int32))
+        extra = {"input_output_aliases": {len(args) - 1: 2}}
+    out = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((M, F), x_MD.dtype),
-        grid=(nb * nt,),
+        out_shape=out_shape,
+        grid=(nb * nt * kt.split,),
         compiler_params=pltriton.CompilerParams(num_warps=kt.warps, num_stages=kt.stages),
         interpret=interpret,
-        name=f"moe_gate_up_{fmt}",
-    )(slot_B, x_MD, *g_arrays, *u_arrays)
+        name=f"moe_gate_up_{fmt}" + (f"_split{kt.split}" if kt.split > 1 else ""),
+        **extra,
+    )(*args)
+    return out if kt.split == 1 else out[0]
 
 
 def down(act_MF: jax.Array, slot_B: jax.Array, row_weight_M: jax.Array, experts: dict, tiles: MoeTiles, *,
          interpret: bool = False) -> jax.Array:
-    """y [M, D] = row_weight * (act @ down[slot]) per row block."""
+    """y [M, D] = row_weight * (act @ down[slot]) per row block; with a split K (tiles.dn.split > 1) the fp32
+    partials y [split, M, D], whose sum is y."""
     fmt = layout.weight_format(experts)
     w_arrays = layout.weight_arrays(experts, "down")
     M, F = act_MF.shape
@@ -304,13 +361,14 @@ def down(act_MF: jax.Array, slot_B: jax.Array, row_weight_M: jax.Array, experts:
     nt = D // kt.bn
     kernel = functools.partial(_down_kernel, fmt=fmt, bm=tiles.bm, kt=kt, nb=nb, nt=nt,
                                group=min(tiles.group, nb), mx_mode=_mode(tiles, interpret))
+    shape = (M, D) if kt.split == 1 else (kt.split, M, D)
     return pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((M, D), act_MF.dtype),
-        grid=(nb * nt,),
+        out_shape=jax.ShapeDtypeStruct(shape, act_MF.dtype if kt.split == 1 else jnp.float32),
+        grid=(nb * nt * kt.split,),
         compiler_params=pltriton.CompilerParams(num_warps=kt.warps, num_stages=kt.stages),
         interpret=interpret,
-        name=f"moe_down_{fmt}",
+        name=f"moe_down_{fmt}" + (f"_split{kt.split}" if kt.split > 1 else ""),
     )(slot_B, row_weight_M, act_MF, *w_arrays)
 
 
@@ -351,8 +409,10 @@ def routed_experts_pallas(h_TD: jax.Array, idx_TK: jax.Array, w_TK: jax.Array, e
     x_MD = h_TD[lay.row_token_M]
     act_MF = gate_up(x_MD, lay.slot_B, experts, tiles, alpha=alpha, limit=limit, interpret=interpret)
     y_MD = down(act_MF, lay.slot_B, lay.row_weight_M, experts, tiles, interpret=interpret)
-    # Each token's k (+1) rows, gathered and summed in fp32: rows are owned by one program each, so the
-    # combine needs no atomics and is deterministic.
+    # Each token's k (+1) rows (and split-K partials), gathered and summed in fp32: rows are owned by one
+    # program each, so the combine needs no atomics and is deterministic.
+    if y_MD.ndim == 3:
+        return jnp.sum(y_MD[:, lay.dest_TJ], axis=(0, 2))
     return jnp.sum(y_MD[lay.dest_TJ].astype(jnp.float32), axis=1)
 
 

@@ -44,6 +44,7 @@ class KernelTiles:
     bk: int
     warps: int
     stages: int
+    split: int = 1  # programs per output tile, each over 1/split of K (more programs when there are few tiles)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,14 +139,16 @@ def fit_tiles(tiles: MoeTiles, d_model: int, d_ff: int, fmt: str) -> MoeTiles | 
     min_k = 16 if fmt == "dense" else 128  # MMA depth / MX pair-packing group
 
     def fit(kt: KernelTiles, k: int, n: int) -> KernelTiles | None:
-        bn, bk = kt.bn, kt.bk
+        bn, bk, split = kt.bn, kt.bk, kt.split
         while bn > 16 and n % bn:
             bn //= 2
         while bk > min_k and k % bk:
             bk //= 2
         if n % bn or k % bk or bk < min_k:
             return None
-        return dataclasses.replace(kt, bn=bn, bk=bk)
+        while (k // bk) % split:  # every split takes the same whole number of K steps
+            split -= 1
+        return dataclasses.replace(kt, bn=bn, bk=bk, split=split)
 
     gu, dn = fit(tiles.gu, d_model, d_ff), fit(tiles.dn, d_ff, d_model)
     if gu is None or dn is None:

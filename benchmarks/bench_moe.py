@@ -249,8 +249,10 @@ def main() -> None:
         results.append(rec)
         save()
         err = rec.get("error", "")[:200]
-        log(f"{op:12s} T={T:5d} {fmt:6s} bm={tiles.bm:3d} gu={tiles.gu.bn}/{tiles.gu.bk}/{tiles.gu.warps}/"
-            f"{tiles.gu.stages} dn={tiles.dn.bn}/{tiles.dn.bk}/{tiles.dn.warps}/{tiles.dn.stages} g={tiles.group} "
+        def kt(t: KernelTiles) -> str:
+            return f"{t.bn}/{t.bk}/{t.warps}/{t.stages}" + (f"/s{t.split}" if t.split > 1 else "")
+
+        log(f"{op:12s} T={T:5d} {fmt:6s} bm={tiles.bm:3d} gu={kt(tiles.gu)} dn={kt(tiles.dn)} g={tiles.group} "
             f"{tiles.mx_mode:6s} {layout_method or '':7s} time={rec.get('time_s', 0) * 1e3:8.3f}ms "
             f"ratio={rec.get('ratio', 0):5.2f} "
             f"ref={(ref_time or 0) * 1e3:8.3f}ms err={rec.get('rel_err', -1):.2e} {err}")

@@ -349,5 +349,6 @@ def test_tile_table_covers_m3() -> None:
             t = pick_tiles(T, fmt)
             assert fit_tiles(t, 6144, 3072, fmt) == t, (T, fmt)
     assert pick_tiles(1, "mxfp4").gu.bk % layout.MX_GROUP == 0
+    assert pick_tiles(1, "mxfp8").dn.split == 2 and pick_tiles(8, "mxfp8").dn.split == 1  # one token: split K
     assert fit_tiles(INTERPRET_TILES, 64, 48, "mxfp4") is None  # K % 128 != 0: the dispatch falls back
     assert ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max == mx.E4M3_MAX

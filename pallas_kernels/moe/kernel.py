@@ -180,15 +180,14 @@ def _mac(acc: jax.Array, x_ref, row0: jax.Array, k0: jax.Array, w_refs: tuple, s
     for g in range(bk // layout.MX_GROUP):
         kg = k0 + g * layout.MX_GROUP
         sb = kg // mx.BLOCK  # first scale row of the group
-        if mx_mode in ("expand_asm", "expand_asm_legacy") and fmt == "mxfp8":
+        if mx_mode == "expand_asm" and fmt == "mxfp8":
             # Each half widened by inline PTX (layout.e4m3_pair_widening_ptx): 4 bit ops and a packed bf16
             # multiply per pair of elements, against ~4.6 conversion and bit ops per element the plain way.
             word = q_ref[slot, pl.ds(kg // 2, half), cols]
             for h in range(2):
                 s = _expand_rows(layout.e4m3_bf16_scale(s_ref[slot, pl.ds(sb + 2 * h, 2), cols]), mx.BLOCK)
                 [w] = pltriton.elementwise_inline_asm(
-                    layout.e4m3_pair_widening_ptx(h, legacy=mx_mode == "expand_asm_legacy"), args=[word, s],
-                    constraints="=r,r,r", pack=2,
+                    layout.e4m3_pair_widening_ptx(h), args=[word, s], constraints="=r,r,r", pack=2,
                     result_shape_dtypes=[jax.ShapeDtypeStruct(word.shape, jnp.bfloat16)])
                 acc = acc + _dot(x_ref[rows, pl.ds(kg + h * half, half)], w.astype(cdt))
         elif mx_mode in ("expand", "expand_asm"):  # expand_asm on MXFP4: no PTX path, the plain expand
@@ -296,7 +295,7 @@ def _down_kernel(slot_ref, rw_ref, a_ref, *refs, fmt: str, bm: int, kt: KernelTi
 def _mode(tiles: MoeTiles, interpret: bool) -> str:
     """The MX mode a kernel runs: inline PTX cannot run in the interpreter, where "expand_asm" computes the same
     values the plain "expand" way."""
-    return "expand" if interpret and tiles.mx_mode.startswith("expand_asm") else tiles.mx_mode
+    return "expand" if interpret and tiles.mx_mode == "expand_asm" else tiles.mx_mode
 
 
 def _check_offsets(*arrays: jax.Array) -> None:

@@ -136,19 +136,9 @@ def mark_wide_scales(experts: dict) -> dict:
     return dict(experts, **{WIDE_SCALES: jnp.zeros((0,), jnp.uint8)}) if top > E4M3_BF16_MAX_SCALE else experts
 
 
-def e4m3_pair_widening_ptx(half: int, *, legacy: bool = False) -> str:
+def e4m3_pair_widening_ptx(half: int) -> str:
     """Inline PTX: $1 = two 16-bit words, $2 = a bf16x2 block scale -> $0 = bf16x2 of the words' low (half 0) or
     high (half 1) bytes, scaled. (One result per asm: Pallas' Triton lowering takes a single result.)"""
-    if legacy:
-        sel = (0x2404, 0x3414)[half]
-        return f"""{{
-.reg .b32 a, t;
-prmt.b32 a, $1, 0, {sel:#x};
-shr.b32 t, a, 4;
-and.b32 t, t, 0x07F007F0;
-lop3.b32 a, a, 0x80008000, t, 0xEA;
-mul.rn.bf16x2 $0, a, $2;
-}}"""
     return f"""{{
 .reg .b32 a;
 prmt.b32 a, $1, 0, {E4M3_BF16_PRMT[half]:#x};

@@ -21,10 +21,11 @@ Keys of `MoeTiles` (per kernel: `gu` = gate+up GEMM with the SwiGLU-OAI epilogue
   group   row blocks that run N-tile by N-tile together before the next group (L2 reuse, see above).
   mx_mode "expand": dequantise a whole [bk, bn] weight tile (scale broadcast over 32 K rows) before one dot;
           "subdot": one dot per 32-row scale block, scaling its [bm, bn] result (no in-kernel reshape).
-          "expand_asm" (MXFP8, the table's mode): e4m3 pairs widened by inline PTX bit moves and a packed
-          bf16 scale multiply (layout.e4m3_pair_widening_ptx): 29-31% fewer instructions than "expand",
-          16-20% faster at decode sizes on the H200. Exact only for E8M0 scales <= 134: weights prepared with
-          larger scales carry layout.WIDE_SCALES and run "expand". Runs as "expand" in interpret mode.
+          "expand_asm" (MXFP8, the table's mode): e4m3 pairs widened by inline PTX bit moves (three integer
+          ops a register) and a packed bf16 scale multiply (layout.e4m3_pair_widening_ptx): 9-11% faster at
+          decode sizes than the first four-op version, which was 16-20% faster than "expand". Exact only for
+          E8M0 scales <= 134: weights prepared with larger scales carry layout.WIDE_SCALES and run "expand".
+          Runs as "expand" in interpret mode.
           Timed and dropped: "subdot_f32" (subdot widened through f32; 1.70-2.42x) and "f16_subdot" (f16
           activations, one hardware cvt.rn.f16x2.e4m3x2 per pair, each 32-row sub-dot scaled in fp32: 30% fewer
           loop instructions offline, yet 1.25-2.18x against expand_asm's 1.20-1.67x at T = 1..128 in the same
@@ -74,12 +75,12 @@ _K = KernelTiles
 GPU_TABLE: dict[tuple[str, str], MoeTiles] = {
     ("decode", "dense"): MoeTiles("decode", bm=16, gu=_K(bn=64, bk=128, warps=4, stages=4),
                                   dn=_K(bn=128, bk=128, warps=4, stages=4), group=1),
-    # MXFP8 decode is bound by widening the bytes in registers, not by HBM. The inline-PTX widening
-    # ("expand_asm") needs ~30% fewer instructions than the conversion path; 8 warps per program, 3 stages. H200,
-    # T = 1 / 8 / 32 / 128: 1.66 / 1.34 / 1.31 / 1.33x the floor, against 1.73 / 1.37 / 1.32 / 1.39x with 4
-    # stages (same run, benchmarks/results/moe-h200-mx-asm-sweep.json) and 2.03 / 1.57 / 1.53 / 1.55x for
-    # "expand" (moe-h200.json). Offline both depths fit 3 programs per SM (registers bind, kernel_sass.py), so the
-    # small 3-stage gain is measured, not explained.
+    # MXFP8 decode is bound by widening the bytes in registers (the integer pipe), not by HBM. The inline-PTX
+    # widening ("expand_asm") needs ~30% fewer instructions than the conversion path; 8 warps per program, 3
+    # stages. H200, T = 1 / 8 / 32 / 128 with the 3-op widening: 1.54 / 1.18 / 1.15 / 1.18x the floor, against
+    # 1.70 / 1.27 / 1.25 / 1.28x with the earlier 4-op one (same run, benchmarks/results/moe-h200-asm3.json);
+    # 3 stages beat 4 (1.66 / 1.34 / 1.31 / 1.33 vs 1.73 / 1.37 / 1.32 / 1.39x, moe-h200-mx-asm-sweep.json), and
+    # of 11 tile sets this one is best at T = 8 and 32 on the new widening too.
     ("decode", "mxfp8"): MoeTiles("decode", bm=16, gu=_K(bn=64, bk=128, warps=8, stages=3),
                                   dn=_K(bn=128, bk=128, warps=8, stages=3), group=1, mx_mode="expand_asm"),
     ("mid", "dense"): MoeTiles("mid", bm=64, gu=_K(bn=64, bk=128, warps=4, stages=4),
@@ -103,6 +104,12 @@ GPU_TABLE: dict[tuple[str, str], MoeTiles] = {
                                    dn=_K(bn=128, bk=128, warps=8, stages=4), group=16),
 }
 
+# One token: its 5 slots give each GEMM only 240 programs for 132 SMs. Splitting down's K in two (fp32 partials,
+# summed by the combine) lifts MXFP8 to 0.095 ms = 1.40x the floor against 0.104-0.107 ms (1.53-1.57x) unsplit;
+# splitting gate_up as well (its last program per tile sums the partials), 3 or 4 ways, or bf16 at all, measured
+# slower (H200, same run, benchmarks/results/moe-h200-splitk.json).
+SINGLE_TOKEN_DOWN_SPLIT = {"mxfp8": 2}
+
 # Interpret mode (CPU tests) runs every program as a loop iteration: tiny tiles keep the test shapes
 # (D, F of a few hundred) multi-tile in every direction, which is what the tests are about.
 INTERPRET_TILES = MoeTiles("interpret", bm=16, gu=KernelTiles(bn=64, bk=128, warps=4, stages=1),
@@ -122,6 +129,8 @@ def pick_tiles(num_tokens: int, fmt: str, *, interpret: bool = False) -> MoeTile
     else:
         reg = regime(num_tokens)
         tiles = GPU_TABLE.get((reg, fmt), GPU_TABLE[(reg, "dense")])
+        if num_tokens == 1 and fmt in SINGLE_TOKEN_DOWN_SPLIT:
+            tiles = tiles.replace(dn=dataclasses.replace(tiles.dn, split=SINGLE_TOKEN_DOWN_SPLIT[fmt]))
     if fmt != "dense" and tiles.gu.bk % 128:
         # MX weights are pair-packed in groups of 128 along K (moe/layout.py): at least one group per step.
         tiles = tiles.replace(gu=dataclasses.replace(tiles.gu, bk=128))

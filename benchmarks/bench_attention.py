@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.devicewarm import warm_up_device
+from benchmarks.devicewarm import gpu_state, warm_up_device
 from pallas_kernels.attention import dispatch, tuning
 from pallas_kernels.attention import kernel as attn_kernel
 from pallas_kernels.attention import reference as attn_ref
@@ -639,6 +639,8 @@ def main() -> None:
     print(f"device={meta['device']} jax={jax.__version__} impl={meta['impl']}", flush=True)
     if not a.small:
         warm_up_device(a.warm_up_s)
+        rec.meta["gpu_state"] = gpu_state()
+        print(f"gpu state after warm-up: {rec.meta['gpu_state']}", flush=True)
 
     batch = 4 if a.small else a.batch
     contexts = [64, 256] if a.small else [int(c) for c in a.contexts.split(",") if c]

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.devicewarm import warm_up_device
+from benchmarks.devicewarm import gpu_state, warm_up_device
 from pallas_kernels.moe import kernel, layout, reference
 from pallas_kernels.moe.tiles import INTERPRET_TILES, KernelTiles, MoeTiles, pick_tiles, regime
 
@@ -180,8 +180,11 @@ def main() -> None:
     rev = git_rev()
     w = make_weights(jax.random.PRNGKey(0), E, D, F, dt)
     jax.block_until_ready(w)
+    state: dict[str, str] = {}
     if not args.interpret:
         warm_up_device(5.0)
+        state = gpu_state()
+        log(f"gpu state after warm-up: {state}")
     log(f"weights ready on {device}, jax {jax.__version__}, rev {rev}")
     slot_bytes = {"bf16": 3 * D * F * 2, "mxfp8": 3 * D * F * (1 + 1 / 32), "mxfp4": 3 * D * F * (0.5 + 1 / 32)}
     results: list[dict[str, Any]] = []
@@ -222,7 +225,7 @@ def main() -> None:
         rec: dict[str, Any] = {"op": op, "shape": {"T": T, "E": E, "D": D, "F": F, "top_k": K, "shared": 1},
                                "dtype": fmt, "tiles": tiles_dict(tiles), "device": device, "git_rev": rev,
                                "jax": jax.__version__, "touched_slots": touched[T],
-                               "layout_method": layout_method or "auto"}
+                               "layout_method": layout_method or "auto", "gpu_state": state}
         fn = functools.partial(run_kernel, experts=experts, tiles=tiles, layout_method=layout_method)
         try:
             t = time.perf_counter()

@@ -16,6 +16,11 @@ tiles (bf16, or MX bytes widened in registers), and writes only its own [bm, bn]
 programs touch the same rows (gpu.md's race trap). Program ids run row blocks fastest within groups of
 `group` blocks, then N tiles: the programs in flight share weight tiles (blocks of one expert) and x tiles
 (prefill), so repeats hit L2.
+
+Split K (`KernelTiles.split` > 1, for calls with too few output tiles to fill the GPU): `split` neighbouring
+programs share one output tile, each over 1/split of K. down then writes fp32 partials [split, M, D] that the
+combine sums; gate_up's programs store fp32 partials and the last of a tile to finish (an atomic counter) sums
+them in split order and runs the epilogue, so the result does not depend on which finished last.
 """
 
 from __future__ import annotations

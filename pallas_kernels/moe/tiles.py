@@ -18,6 +18,7 @@ Keys of `MoeTiles` (per kernel: `gu` = gate+up GEMM with the SwiGLU-OAI epilogue
   bn      output columns per program (for `gu`, per matrix: the program makes bn gate and bn up columns).
   bk      K per pipelined step (MX formats need a multiple of 128, their pair-packing group; moe/layout.py).
   warps / stages   Triton's num_warps / num_stages.
+  split   programs per output tile, each over 1/split of K (kernel.py; single-token MXFP8 down uses 2).
   group   row blocks that run N-tile by N-tile together before the next group (L2 reuse, see above).
   mx_mode "expand": dequantise a whole [bk, bn] weight tile (scale broadcast over 32 K rows) before one dot;
           "subdot": one dot per 32-row scale block, scaling its [bm, bn] result (no in-kernel reshape).

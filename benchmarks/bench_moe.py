@@ -57,7 +57,7 @@ def candidates(T: int, fmt: str) -> list[MoeTiles]:
     if fmt != "dense" and base.mx_mode == "expand":
         out.append(base.replace(mx_mode="subdot") if reg != "prefill" else None)
     if reg == "decode" and fmt != "dense":
-        # Around the 8-warp table entry: MX decode is bound by the in-register widening (latency), not by HBM.
+        # Around the 8-warp table entry: MX decode is bound by the in-register widening (integer pipe), not HBM.
         out += [base.replace(gu=k(32, 128, 8, 4), dn=k(64, 128, 8, 4)),
                 base.replace(gu=k(64, 128, 16, 4), dn=k(128, 128, 16, 4)),
                 base.replace(gu=k(64, 256, 8, 3), dn=k(128, 256, 8, 3)),

@@ -65,10 +65,10 @@ def index_tiles(num_tokens: int, num_rows: int, pages_per_row: int, index_heads:
         # programs per SM (H200, batch 64, kernel alone: 8k 16 pages/program 1.77x its floor vs 8 pages 2.3x;
         # 32k 64 pages 1.32x; 128k 64 pages 1.24x, 32 pages 1.11-1.26x across runs).
         want = max(1, num_rows * pages_per_row // (2 * NUM_SMS))
-        # Short contexts select inside the scoring kernel: the second launch and the gap before it are a third
-        # of the op there (8k: 46.9 us fused against 49-51 us in five earlier runs of the two launches). Long
-        # ones do not: one program then ranks hundreds of blocks alone (32k: 159.8 against 151.7 us, 128k:
-        # 619 against 550 us, same run; benchmarks/results/attention-h200-final.json).
+        # Short contexts select inside the scoring kernel, saving the second launch and the gap before it
+        # (8k, same runs: 46.9 against 67.4 us, 73.3 against 81.7 us). Long ones do not: one program then ranks
+        # hundreds of blocks alone (16k 109.0 against 83.0 us, 32k 159.8 against 151.7, 128k 619 against 550;
+        # benchmarks/results/attention-h200-fused-1.json and -fused-2.json).
         topk = "fused" if pages_per_row <= FUSED_TOPK_MAX_PAGES else "pallas"
         return IndexTiles(bt=max(min_bt, _pow2_at_least(rows)), bp=min(64, max(8, _pow2_at_least(want))),
                           topk=topk, block_tokens=1 if num_tokens <= num_rows else None)

@@ -37,6 +37,7 @@ from pallas_kernels import mx
 from pallas_kernels.moe import layout
 from pallas_kernels.moe.reference import dense_mlp, route, swiglu_oai
 from pallas_kernels.moe.tiles import KernelTiles, MoeTiles, fit_tiles, pick_tiles
+from pallas_kernels.sync import when_last
 
 
 @jax.tree_util.register_dataclass
@@ -247,22 +248,15 @@ def _gate_up_kernel(slot_ref, x_ref, *refs, n_w: int, fmt: str, bm: int, kt: Ker
 
 def _last_split_sums(part_ref, count_ref, gate, up, tile, ks, rows, cols, epilogue, *, split: int,
                      interpret: bool) -> None:
-    """Split-K gate_up: each of a tile's `split` programs stores its fp32 partials; the last to finish sums
-    them all in split order (so the result does not depend on who finished last) and runs the epilogue.
-
-    The barrier orders every thread's partial stores before the counter's acquire-release atomic add (GPU
-    scope); the program that sees the count reach split - 1 then reads the others' partials with volatile
-    loads (from L2, not a stale L1 line). The counter starts at zero every call (an aliased zeros input)."""
+    """Split-K gate_up: each of a tile's `split` programs stores its fp32 partials; the last to finish
+    (pallas_kernels/sync.py) sums them all in split order, so the result does not depend on which finished
+    last, and runs the epilogue."""
     F = part_ref.shape[2] // 2
     up_cols = pl.ds(cols.start + F, cols.size)
     part_ref[ks, rows, cols] = gate
     part_ref[ks, rows, up_cols] = up
-    if not interpret:  # the interpreter runs programs one after another and has no barrier primitive
-        pltriton.debug_barrier()
-    done = pltriton.atomic_add(count_ref, tile, jnp.ones((), jnp.int32))
 
-    @pl.when(done == split - 1)
-    def _():
+    def sum_and_finish() -> None:
         def part(i: int, c: pl.Slice) -> jax.Array:
             return pltriton.load(part_ref.at[pl.ds(i, 1), rows, c], volatile=True)[0]
 
@@ -270,6 +264,8 @@ def _last_split_sums(part_ref, count_ref, gate, up, tile, ks, rows, cols, epilog
         for i in range(1, split):
             g, u = g + part(i, cols), u + part(i, up_cols)
         epilogue(g, u)
+
+    when_last(count_ref, tile, split, sum_and_finish, interpret=interpret)
 
 
 def _down_kernel(slot_ref, rw_ref, a_ref, *refs, fmt: str, bm: int, kt: KernelTiles, nb: int, nt: int,

@@ -111,7 +111,7 @@ def decode_codes(codes: jax.Array, fmt: str, dtype: jnp.dtype = jnp.float32) -> 
 # e4m3 pairs -> bf16 pairs by bit moves in one 32-bit register (the "expand_asm" kernel mode's inline PTX, which
 # these constants build; tests/test_moe_kernels.py emulates the same steps). A register holds two of our 16-bit
 # words, i.e. bytes [lo(w0), hi(w0), lo(w1), hi(w1)]. PRMT makes each 16-bit lane [sign byte | e4m3 byte]: one
-# byte of each word, under it's sign replicated to 8 bits (PRMT's sign-extend selectors). A left shift by 4 moves
+# byte of each word, under it its sign replicated to 8 bits (PRMT's sign-extend selectors). A left shift by 4 moves
 # e4m3's exponent and mantissa into bf16's fields and a replicated sign bit into bit 15; the AND clears what is
 # left of the sign replicas (and what the shift carried in from the lower lane). The bf16 is then exactly 2^-120
 # times the e4m3 value, subnormals included (they become bf16 subnormals, which the packed bf16 multiply keeps).

@@ -29,8 +29,8 @@ Keys of `MoeTiles` (per kernel: `gu` = gate+up GEMM with the SwiGLU-OAI epilogue
           Runs as "expand" in interpret mode.
           Timed and dropped: "subdot_f32" (subdot widened through f32; 1.70-2.42x) and "f16_subdot" (f16
           activations, one hardware cvt.rn.f16x2.e4m3x2 per pair, each 32-row sub-dot scaled in fp32: 30% fewer
-          loop instructions offline, yet 1.25-2.18x against expand_asm's 1.20-1.67x at T = 1..128 in the same
-          run, best of 7 tile sets; benchmarks/results/moe-h200-f16.json, commit 873ba16).
+          loop instructions offline, yet 1.25-2.56x over 7 tile sets against expand_asm's 1.20-1.67x at T = 1..128
+          in the same run; benchmarks/results/moe-h200-f16.json, commit 873ba16).
           Override: M3JAX_MOE_MX_MODE.
 """
 

@@ -31,6 +31,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.attention.kernel import ragged_paged_attention
 from pallas_kernels.attention.ragged import QueryBlocks, query_blocks
 from pallas_kernels.attention.tuning import AttentionTiles, IndexTiles
+from pallas_kernels.sync import when_last
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,27 +89,21 @@ def _block_scores_kernel(start_ref, length_ref, row_ref, max_pos_ref, page_table
 
 def _select_when_last(count_ref, ids_ref, scores_ref, qb, t0, tok_ok_B, pos_M, *, bt: int, G: int, ps: int,
                       f: _FusedTopk) -> None:
-    """The last of a query block's `num_splits` programs to finish selects its top-k: no second launch.
+    """The last of a query block's `num_splits` programs to finish (pallas_kernels/sync.py) reads every
+    program's score slab and selects the block's top-k: no second launch."""
 
-    Every thread's score stores are issued before the barrier; the counter's atomic add (acquire-release, GPU
-    scope) then publishes them, and the program that sees the count reach num_splits - 1 acquires all the
-    others' slabs (volatile reads, served by L2). The counter starts at zero every call (an aliased zeros input)."""
-    if not f.interpret:  # the interpreter runs programs one after another and has no barrier primitive
-        plgpu.debug_barrier()
-    done = plgpu.atomic_add(count_ref, qb, jnp.ones((), jnp.int32))
-
-    @pl.when(done == f.num_splits - 1)
-    def _():
+    def select() -> None:
         M = bt * G
         wp = 1 << max(0, (f.P - 1).bit_length())
         col_C = lax.broadcasted_iota(jnp.int32, (wp,), 0)
         ok = jnp.broadcast_to(tok_ok_B[:, None, None] & (col_C < f.P)[None, None, :], (bt, G, wp))
-        # volatile: served by L2, not a stale L1 line (jax 0.11.2's cache_modifier=".cg" does not lower).
         s_BGC = plgpu.load(scores_ref.at[pl.ds(t0, bt), :, pl.ds(0, wp)], mask=ok, other=-jnp.inf, volatile=True)
         ids_MK = _select_topk(s_BGC.reshape(M, wp), pos_M, P=f.P, ps=ps, topk=f.topk, kp=f.kp,
                               local_blocks=f.local_blocks, init_blocks=f.init_blocks)
         plgpu.store(ids_ref.at[pl.ds(t0, bt), :, :], ids_MK.reshape(bt, G, f.kp),
                     mask=jnp.broadcast_to(tok_ok_B[:, None, None], (bt, G, f.kp)))
+
+    when_last(count_ref, qb, f.num_splits, select, interpret=f.interpret)
 
 
 def block_scores(iq_TGD: jax.Array, ik_pages: jax.Array, page_table_RP: jax.Array, pos_T: jax.Array,

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.devicewarm import gpu_state, warm_up_device
+from benchmarks.timing import fresh_like, in_graph_time
 from pallas_kernels.attention import dispatch, tuning
 from pallas_kernels.attention import kernel as attn_kernel
 from pallas_kernels.attention import reference as attn_ref
@@ -70,8 +71,10 @@ class Recorder:
         with open(self.path, "w") as f:
             json.dump(self.rows, f, indent=1)
         t, fl, r, ref = (row.get(k) for k in ("time_s", "floor_s", "ratio", "reference_time_s"))
+        g = row.get("time_in_graph_s")
+        in_graph = "" if g is None else f" in-graph={_us(g)} ({row['ratio_in_graph']:.2f})"
         print(f"{row['op']:<24} {row.get('case', ''):<14} {row.get('variant', ''):<34} "
-              f"t={_us(t)} floor={_us(fl)} ratio={'-' if r is None else f'{r:.2f}'} ref={_us(ref)} "
+              f"t={_us(t)} floor={_us(fl)} ratio={'-' if r is None else f'{r:.2f}'}{in_graph} ref={_us(ref)} "
               f"{row.get('check', '')}", flush=True)
 
 
@@ -115,6 +118,22 @@ def kernel_time(fn: Callable[..., Any], arg_sets: Sequence[tuple], small: bool) 
         msg = f"{type(e).__name__}: {str(e)[:1500]}"
         print(f"kernel failed: {msg}", flush=True)
         return None, msg
+
+
+IN_GRAPH_COPIES = 16
+
+
+def graph_time(fn: Callable[..., Any], arg_sets: Sequence[tuple], small: bool) -> float | None:
+    """timing.in_graph_time of `fn` over IN_GRAPH_COPIES calls, each with fresh queries (argument 0) and the
+    rotation sets' other arguments; None where it fails (recorded as missing, the run goes on)."""
+    copies = 2 if small else IN_GRAPH_COPIES
+    fresh = fresh_like(arg_sets[0][0], copies, seed=1000)
+    copy_args = [(f, *arg_sets[i % len(arg_sets)][1:]) for i, f in enumerate(fresh)]
+    try:
+        return in_graph_time(fn, copy_args, samples=2 if small else 15)
+    except Exception as e:  # noqa: BLE001
+        print(f"in-graph timing failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+        return None
 
 
 def _ratio(t: float | None, floor_s: float) -> float | None:
@@ -247,6 +266,7 @@ def bench_case(case: Case, s: Shapes, rec: Recorder, *, small: bool, interpret: 
     sel_kw = dict(topk=s.topk, local_blocks=s.local_blocks)
     args = lambda st, *names: tuple(st[n] for n in names)  # noqa: E731
     pos_np = np.asarray(case.sets[0]["pos"])
+    decode = case.kind == "decode"  # in-graph timing where host dispatch could matter (ops of tens of us)
 
     # --- MSA index + top-k (the op the model calls: dispatch -> kernel with the table's tiles) ---
     select = jax.jit(lambda iq, ik, pt, tr, pos: dispatch.paged_select_blocks(iq, ik, pt, tr, pos, **sel_kw))
@@ -279,10 +299,12 @@ def bench_case(case: Case, s: Shapes, rec: Recorder, *, small: bool, interpret: 
     floor_s, floor_kind = _floor(idx_bytes, idx_flops)
     t, err = kernel_time(select, sel_sets, small)
     t_ref = try_time(select_ref, sel_sets[:2], small) if with_reference else None
+    t_g = graph_time(select, sel_sets, small) if decode else None
     tiles = tuning.index_tiles(T, R, P, s.K)
     rec.add(op="msa_index_topk", case=case.name, variant=f"table {_fmt(tiles)}", shape=shape, time_s=t,
             floor_s=floor_s, floor_kind=floor_kind, bytes=idx_bytes, flops=idx_flops, ratio=_ratio(t, floor_s),
-            reference_time_s=t_ref, check=check, error=err, **_no_ref(with_reference))
+            reference_time_s=t_ref, time_in_graph_s=t_g, ratio_in_graph=_ratio(t_g, floor_s), check=check,
+            error=err, **_no_ref(with_reference))
     select_ok = err is None
 
     # Kernel stage alone (block scores; the query-block metadata, the forcing and lax.top_k excluded).
@@ -324,10 +346,12 @@ def bench_case(case: Case, s: Shapes, rec: Recorder, *, small: bool, interpret: 
         floor_s, floor_kind = _floor(case.context * s.K * s.D * 2 * itemsize, sp_flops)
     t, err = kernel_time(sp, sp_sets, small)
     t_ref = try_time(sp_ref, sp_sets[:2], small) if with_reference else None
+    t_g = graph_time(sp, sp_sets, small) if decode else None
     stiles = tuning.sparse_tiles(T, R, s.topk, s.hg)
     rec.add(op="msa_sparse_attention", case=case.name, variant=f"table {_fmt(stiles)}", shape=shape, time_s=t,
             floor_s=floor_s, floor_kind=floor_kind, bytes=sp_bytes, flops=sp_flops, ratio=_ratio(t, floor_s),
-            reference_time_s=t_ref, check=check, error=err, **_no_ref(with_reference))
+            reference_time_s=t_ref, time_in_graph_s=t_g, ratio_in_graph=_ratio(t_g, floor_s), check=check,
+            error=err, **_no_ref(with_reference))
 
     # --- dense ragged paged attention (the 3 dense layers) ---
     dn = jax.jit(lambda q, k, v, pt, tr, pos: dispatch.paged_dense_attention(q, k, v, pt, tr, pos, scale))
@@ -343,10 +367,12 @@ def bench_case(case: Case, s: Shapes, rec: Recorder, *, small: bool, interpret: 
     floor_s, floor_kind = _floor(dn_bytes, dn_flops)
     t, err = kernel_time(dn, dn_sets, small)
     t_ref = try_time(dn_ref, dn_sets[:2], small) if with_reference else None
+    t_g = graph_time(dn, dn_sets, small) if decode else None
     dtiles = tuning.dense_tiles(T, R, P, s.K, s.hg)
     rec.add(op="dense_attention", case=case.name, variant=f"table {_fmt(dtiles)}", shape=shape, time_s=t,
             floor_s=floor_s, floor_kind=floor_kind, bytes=dn_bytes, flops=dn_flops, ratio=_ratio(t, floor_s),
-            reference_time_s=t_ref, check=check, error=err, **_no_ref(with_reference))
+            reference_time_s=t_ref, time_in_graph_s=t_g, ratio_in_graph=_ratio(t_g, floor_s), check=check,
+            error=err, **_no_ref(with_reference))
 
     i_floor, _ = _floor(idx_bytes, idx_flops)
     s_floor = rec.rows[-2]["floor_s"]
@@ -586,8 +612,9 @@ def render_markdown(path: str) -> str:
     def us(x: float | None) -> str:
         return "-" if x is None else f"{x * 1e6:,.1f}"
 
-    out = ["| op | case | tiles | time (us) | floor (us) | bound | ratio | jnp reference (us) | check |",
-           "|---|---|---|---:|---:|---|---:|---:|---|"]
+    out = ["| op | case | tiles | time (us) | floor (us) | bound | ratio | in-graph (us) | in-graph ratio | "
+           "jnp reference (us) | check |",
+           "|---|---|---|---:|---:|---|---:|---:|---:|---:|---|"]
     for main_rows in (True, False):
         for r in rows:
             if r["variant"].startswith("table") != main_rows and r["op"] != "kv_write":
@@ -598,8 +625,10 @@ def render_markdown(path: str) -> str:
             if r.get("error"):
                 check = {"error": r["error"][:80]}
             ratio = "-" if r.get("ratio") is None else f"{r['ratio']:.2f}"
+            g_ratio = "-" if r.get("ratio_in_graph") is None else f"{r['ratio_in_graph']:.2f}"
             out.append(f"| {r['op']} | {r['case']} | {r['variant']} | {us(r.get('time_s'))} | {us(r.get('floor_s'))} "
-                       f"| {r.get('floor_kind', '')} | {ratio} | {us(r.get('reference_time_s'))} | "
+                       f"| {r.get('floor_kind', '')} | {ratio} | {us(r.get('time_in_graph_s'))} | {g_ratio} | "
+                       f"{us(r.get('reference_time_s'))} | "
                        f"{json.dumps(check)[:120]} |")
     return "\n".join(out)
 

@@ -34,12 +34,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.devicewarm import gpu_state, warm_up_device
+from benchmarks.timing import fresh_like, in_graph_time
 from pallas_kernels.moe import kernel, layout, reference
 from pallas_kernels.moe.tiles import INTERPRET_TILES, KernelTiles, MoeTiles, pick_tiles, regime
 
 FORMATS = {"bf16": "dense", "mxfp8": "mxfp8", "mxfp4": "mxfp4"}
 SCALING, ALPHA, LIMIT = 2.0, 1.702, 7.0
 T0 = time.perf_counter()
+IN_GRAPH_COPIES = 16
 
 
 def candidates(T: int, fmt: str) -> list[MoeTiles]:
@@ -170,6 +172,9 @@ def main() -> None:
                     help="sweep only these cases (e.g. 8192:bf16 1:mxfp8), in this order")
     ap.add_argument("--kernels-only-tokens", type=int, nargs="+", default=[1, 8, 32, 128],
                     help="also time the two kernels alone (layout precomputed) at these T")
+    ap.add_argument("--in-graph-max-tokens", type=int, default=128,
+                    help=f"also time the op in one jitted program of {IN_GRAPH_COPIES} copies (timing.py) up to "
+                         "this T")
     ap.add_argument("--out", default="benchmarks/results/moe-h200.json")
     args = ap.parse_args()
 
@@ -197,10 +202,16 @@ def main() -> None:
     route = jax.jit(functools.partial(reference.route, top_k=K))
     inputs: dict[int, list[tuple]] = {}
     touched: dict[int, int] = {}
+    graph_inputs: dict[int, list[tuple]] = {}
+    graph_touched: dict[int, float] = {}
     for T in args.tokens:
         hs = [jax.random.normal(jax.random.PRNGKey(100 + T * 7 + i), (T, D), jnp.float32).astype(dt) for i in range(3)]
         inputs[T] = [(h, *route(h, w["router"], w["router_bias"])) for h in hs]
         touched[T] = int(np.mean([len(np.unique(np.asarray(i))) for _, i, _ in inputs[T]])) + 1
+        if args.in_graph_max_tokens >= T:  # timing.in_graph_time: each copy its own tokens and routing
+            hs = fresh_like(jnp.zeros((T, D), dt), IN_GRAPH_COPIES, seed=5000 + T)
+            graph_inputs[T] = [(h, *route(h, w["router"], w["router_bias"])) for h in hs]
+            graph_touched[T] = float(np.mean([len(np.unique(np.asarray(i))) for _, i, _ in graph_inputs[T]])) + 1
 
     @functools.partial(jax.jit, static_argnames=("tiles", "layout_method"))
     def run_kernel(h, idx, wts, experts, tiles, layout_method=None):
@@ -215,9 +226,9 @@ def main() -> None:
         s = rp["shared"]
         return out + reference.dense_mlp(h, s["w_gate"], s["w_up"], s["w_down"], alpha=ALPHA, limit=LIMIT)
 
-    def floor(T: int, fmt: str) -> float:
+    def floor(T: int, fmt: str, touched_slots: float | None = None) -> float:
         flops = 2 * T * (K + 1) * 3 * D * F
-        byts = touched[T] * slot_bytes[fmt] + 2 * T * D * 2
+        byts = (touched_slots or touched[T]) * slot_bytes[fmt] + 2 * T * D * 2
         return max(byts / (args.hbm_tbps * 1e12), flops / (args.peak_tflops * 1e12))
 
     def measure(T: int, fmt: str, experts: dict, rp: dict | None, tiles: MoeTiles, ref_time: float | None,
@@ -246,6 +257,10 @@ def main() -> None:
             rec["speedup_vs_reference"] = ref_time / rec["time_s"] if ref_time else None
             rec["weight_tbps"] = touched[T] * slot_bytes[fmt] / rec["time_s"] / 1e12
             rec["tflops"] = 2 * T * (K + 1) * 3 * D * F / rec["time_s"] / 1e12
+            if op == "moe_experts" and T in graph_inputs:
+                rec["time_in_graph_s"] = in_graph_time(fn, graph_inputs[T], samples=3 if args.interpret else 15)
+                rec["floor_in_graph_s"] = floor(T, fmt, graph_touched[T])
+                rec["ratio_in_graph"] = rec["time_in_graph_s"] / rec["floor_in_graph_s"]
         except Exception as e:  # one failing config must not lose the rest of the run
             rec["error"] = f"{type(e).__name__}: {str(e)[:2000]}"
             traceback.print_exc(limit=3)
@@ -258,6 +273,8 @@ def main() -> None:
         log(f"{op:12s} T={T:5d} {fmt:6s} bm={tiles.bm:3d} gu={kt(tiles.gu)} dn={kt(tiles.dn)} g={tiles.group} "
             f"{tiles.mx_mode:6s} {layout_method or '':7s} time={rec.get('time_s', 0) * 1e3:8.3f}ms "
             f"ratio={rec.get('ratio', 0):5.2f} "
+            + (f"in-graph={rec['time_in_graph_s'] * 1e3:8.3f}ms ({rec['ratio_in_graph']:.2f}) "
+               if "ratio_in_graph" in rec else "") +
             f"ref={(ref_time or 0) * 1e3:8.3f}ms err={rec.get('rel_err', -1):.2e} {err}")
         return rec
 
@@ -300,10 +317,11 @@ def main() -> None:
             rp_by_fmt[name] = rp  # the sweep checks each candidate against it too
         del rp
 
-    # The two kernels alone (layout precomputed): what the glue (sort, gather, combine) adds at decode sizes.
+    # The two kernels alone (layout precomputed): what the glue (sort and combine) adds at decode sizes.
     @functools.partial(jax.jit, static_argnames=("tiles",))
-    def run_kernels_only(x_MD, slot_B, row_weight_M, experts, tiles):
-        act = kernel.gate_up(x_MD, slot_B, experts, tiles, alpha=ALPHA, limit=LIMIT, interpret=args.interpret)
+    def run_kernels_only(h_TD, row_token_M, slot_B, row_weight_M, experts, tiles):
+        act = kernel.gate_up(h_TD, row_token_M, slot_B, experts, tiles, alpha=ALPHA, limit=LIMIT,
+                             interpret=args.interpret)
         return kernel.down(act, slot_B, row_weight_M, experts, tiles, interpret=args.interpret)
 
     for T in [t for t in args.tokens if t in args.kernels_only_tokens]:
@@ -320,7 +338,7 @@ def main() -> None:
                 lay_inputs = []
                 for h, idx, wts in inputs[T]:
                     lay = sp(idx, wts)
-                    lay_inputs.append((h[lay.row_token_M], lay.slot_B, lay.row_weight_M))
+                    lay_inputs.append((h, lay.row_token_M, lay.slot_B, lay.row_weight_M))
                 rec["time_s"] = bench(functools.partial(run_kernels_only, experts=experts_by_fmt[name], tiles=tiles),
                                       lay_inputs)
                 rec["floor_s"] = floor(T, name)
@@ -352,11 +370,14 @@ def main() -> None:
             measure(T, name, experts_by_fmt[name], rp_by_fmt.get(name), c, ref_times.get(T), "moe_sweep")
     save()
     log(f"wrote {len(results)} records to {out_path}")
-    print("\n| T | dtype | time ms | floor ms | ratio | ragged_dot ms | speedup | rel err |")
+    print("\n| T | dtype | time ms | floor ms | ratio | in-graph ms | in-graph ratio | ragged_dot ms | speedup | "
+          "rel err |")
     for r in results:
         if r["op"] == "moe_experts" and "time_s" in r:
+            g = (f"{r['time_in_graph_s'] * 1e3:.3f} | {r['ratio_in_graph']:.2f}" if "ratio_in_graph" in r
+                 else "- | -")
             print(f"| {r['shape']['T']} | {r['dtype']} | {r['time_s'] * 1e3:.3f} | {r['floor_s'] * 1e3:.3f} | "
-                  f"{r['ratio']:.2f} | {(r['reference_time_s'] or 0) * 1e3:.3f} | "
+                  f"{r['ratio']:.2f} | {g} | {(r['reference_time_s'] or 0) * 1e3:.3f} | "
                   f"{r['speedup_vs_reference'] or 0:.1f} | {r.get('rel_err', float('nan')):.1e} |")
     sys.stdout.flush()
 

@@ -118,9 +118,9 @@ def lower_ttir(which: str, fmt: str, tiles, tokens: int) -> tuple[str, dict]:
     slot = sds((nb,), jnp.int32)
     experts = expert_structs(fmt)
     if which == "gate_up":
-        def fn(x, slot, experts):
-            return kernel.gate_up(x, slot, experts, tiles, alpha=1.702, limit=7.0)
-        args = (sds((nb * bm, D), jnp.bfloat16), slot, experts)
+        def fn(h, row_token, slot, experts):
+            return kernel.gate_up(h, row_token, slot, experts, tiles, alpha=1.702, limit=7.0)
+        args = (sds((tokens, D), jnp.bfloat16), sds((nb * bm,), jnp.int32), slot, experts)
     else:
         def fn(a, slot, rw, experts):
             return kernel.down(a, slot, rw, experts, tiles)

@@ -5,8 +5,8 @@ token visits it with weight 1):
 
   route (fp32, the reference's `route`) -> sort_and_pad: the T*(k+1) (token, slot) pairs sorted by slot, each
   slot's rows padded to the block height bm, so every row block belongs to exactly one slot
-  -> x_MD = h[row_token]                      (one XLA gather)
-  -> gate_up kernel: act_MF = SwiGLU-OAI(x @ W_gate[slot], x @ W_up[slot])   (both accumulators in one program)
+  -> gate_up kernel: act_MF = SwiGLU-OAI(x @ W_gate[slot], x @ W_up[slot]), x = h[row_token] gathered by the
+                     kernel's own x loads (both accumulators in one program)
   -> down kernel:    y_MD = row_weight * (act @ W_down[slot])                  (routing weight in the epilogue)
   -> combine: out[t] = sum of its k+1 rows of y  (one XLA gather-sum, fp32)
 
@@ -166,11 +166,12 @@ def _dot(x: jax.Array, w: jax.Array) -> jax.Array:
     return jnp.dot(x, w, preferred_element_type=jnp.float32)
 
 
-def _mac(acc: jax.Array, x_ref, row0: jax.Array, k0: jax.Array, w_refs: tuple, slot: jax.Array,
-         col0: jax.Array, *, fmt: str, bm: int, bn: int, bk: int, mx_mode: str) -> jax.Array:
-    """acc += x[row0:row0+bm, k0:k0+bk] @ W[slot, k0:k0+bk, col0:col0+bn], W decoded from its format."""
+def _mac(acc: jax.Array, x_ref, rows: pl.Slice | jax.Array, k0: jax.Array, w_refs: tuple, slot: jax.Array,
+         col0: jax.Array, *, fmt: str, bn: int, bk: int, mx_mode: str) -> jax.Array:
+    """acc += x[rows, k0:k0+bk] @ W[slot, k0:k0+bk, col0:col0+bn], W decoded from its format. `rows`: a slice of
+    x's rows, or the [bm] row indices to gather (gate_up reads the tokens' hidden states in place)."""
     cdt = x_ref.dtype
-    rows, cols = pl.ds(row0, bm), pl.ds(col0, bn)
+    cols = pl.ds(col0, bn)
     if fmt == "dense":
         return acc + _dot(x_ref[rows, pl.ds(k0, bk)], w_refs[0][slot, pl.ds(k0, bk), cols].astype(cdt))
     # MX: word r of each 128-group of K holds element r (low half) and r + 64 (high half); layout.py.
@@ -213,8 +214,8 @@ def _mac(acc: jax.Array, x_ref, row0: jax.Array, k0: jax.Array, w_refs: tuple, s
     return acc
 
 
-def _gate_up_kernel(slot_ref, x_ref, *refs, n_w: int, fmt: str, bm: int, kt: KernelTiles, nb: int, nt: int,
-                    group: int, mx_mode: str, alpha: float, limit: float, interpret: bool):
+def _gate_up_kernel(slot_ref, token_ref, x_ref, *refs, n_w: int, fmt: str, bm: int, kt: KernelTiles, nb: int,
+                    nt: int, group: int, mx_mode: str, alpha: float, limit: float, interpret: bool):
     g_refs, u_refs = refs[:n_w], refs[n_w:2 * n_w]
     o_ref = refs[-1] if kt.split == 1 else refs[-3]  # (split-K: count in, act, partials, count out)
     b, j, ks = _block_and_tile(nb, nt, group, kt.split)
@@ -224,8 +225,10 @@ def _gate_up_kernel(slot_ref, x_ref, *refs, n_w: int, fmt: str, bm: int, kt: Ker
     def _():
         row0 = pl.multiple_of(b * bm, bm)
         n0 = pl.multiple_of(j * kt.bn, kt.bn)
-        mac = functools.partial(_mac, x_ref=x_ref, row0=row0, slot=slot, col0=n0, fmt=fmt, bm=bm, bn=kt.bn,
-                                bk=kt.bk, mx_mode=mx_mode)
+        # The block's rows are tokens' hidden states, gathered by each x load (no [M, D] copy of x in HBM).
+        tok_B = token_ref[pl.ds(row0, bm)]
+        mac = functools.partial(_mac, x_ref=x_ref, rows=tok_B, slot=slot, col0=n0, fmt=fmt, bn=kt.bn, bk=kt.bk,
+                                mx_mode=mx_mode)
 
         def step(i, accs):
             k0 = pl.multiple_of(i * kt.bk, kt.bk)
@@ -281,7 +284,7 @@ def _down_kernel(slot_ref, rw_ref, a_ref, *refs, fmt: str, bm: int, kt: KernelTi
 
         def step(i, acc):
             k0 = pl.multiple_of(i * kt.bk, kt.bk)
-            return _mac(acc, a_ref, row0, k0, w_refs, slot, n0, fmt=fmt, bm=bm, bn=kt.bn, bk=kt.bk,
+            return _mac(acc, a_ref, pl.ds(row0, bm), k0, w_refs, slot, n0, fmt=fmt, bn=kt.bn, bk=kt.bk,
                         mx_mode=mx_mode)
 
         acc = jax.lax.fori_loop(*_k_steps(a_ref.shape[1], kt, ks), step, jnp.zeros((bm, kt.bn), jnp.float32))
@@ -313,22 +316,23 @@ def _check_tiles(bm: int, kt: KernelTiles, k: int, n: int, fmt: str) -> None:
     assert kt.bk % layout.MX_GROUP == 0 or fmt == "dense", "MX tiles need bk a multiple of 128 (pair packing)"
 
 
-def gate_up(x_MD: jax.Array, slot_B: jax.Array, experts: dict, tiles: MoeTiles, *, alpha: float, limit: float,
-            interpret: bool = False) -> jax.Array:
-    """act [M, F] = SwiGLU-OAI(x @ gate[slot], x @ up[slot]) per row block."""
+def gate_up(h_TD: jax.Array, row_token_M: jax.Array, slot_B: jax.Array, experts: dict, tiles: MoeTiles, *,
+            alpha: float, limit: float, interpret: bool = False) -> jax.Array:
+    """act [M, F] = SwiGLU-OAI(x @ gate[slot], x @ up[slot]) per row block, x = h[row_token] (gathered in the
+    kernel)."""
     fmt = layout.weight_format(experts)
     g_arrays, u_arrays = layout.weight_arrays(experts, "gate"), layout.weight_arrays(experts, "up")
-    M, D = x_MD.shape
+    M, D = row_token_M.shape[0], h_TD.shape[1]
     F = g_arrays[0].shape[-1]
     kt, nb = tiles.gu, slot_B.shape[0]
     _check_tiles(tiles.bm, kt, D, F, fmt)
-    _check_offsets(x_MD, *g_arrays, *u_arrays)
+    _check_offsets(h_TD, *g_arrays, *u_arrays)
     nt = F // kt.bn
     kernel = functools.partial(_gate_up_kernel, n_w=len(g_arrays), fmt=fmt, bm=tiles.bm, kt=kt, nb=nb, nt=nt,
                                group=min(tiles.group, nb), mx_mode=_mode(tiles, interpret), alpha=alpha,
                                limit=limit, interpret=interpret)
-    args = (slot_B, x_MD, *g_arrays, *u_arrays)
-    out_shape = jax.ShapeDtypeStruct((M, F), x_MD.dtype)
+    args = (slot_B, row_token_M.astype(jnp.int32), h_TD, *g_arrays, *u_arrays)
+    out_shape = jax.ShapeDtypeStruct((M, F), h_TD.dtype)
     extra = {}
     if kt.split > 1:  # fp32 partials of each split, and per output tile the programs done (zeros, aliased)
         args = (*args, jnp.zeros((nb * nt,), jnp.int32))
@@ -406,8 +410,8 @@ def routed_experts_pallas(h_TD: jax.Array, idx_TK: jax.Array, w_TK: jax.Array, e
         raise ValueError(f"no MoE tile fits these expert shapes ({fmt}); use the reference")
     lay = sort_and_pad(idx_TK, w_TK, num_slots=layout.num_slots(experts), shared_slot=shared_slot, bm=tiles.bm,
                        routed_scaling=routed_scaling, method=layout_method)
-    x_MD = h_TD[lay.row_token_M]
-    act_MF = gate_up(x_MD, lay.slot_B, experts, tiles, alpha=alpha, limit=limit, interpret=interpret)
+    act_MF = gate_up(h_TD, lay.row_token_M, lay.slot_B, experts, tiles, alpha=alpha, limit=limit,
+                     interpret=interpret)
     y_MD = down(act_MF, lay.slot_B, lay.row_weight_M, experts, tiles, interpret=interpret)
     # Each token's k (+1) rows (and split-K partials), gathered and summed in fp32: rows are owned by one
     # program each, so the combine needs no atomics and is deterministic.

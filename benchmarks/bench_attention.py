@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.devicewarm import gpu_state, warm_up_device
-from benchmarks.timing import fresh_like, in_graph_time
+from benchmarks.timing import device_profile, fresh_like, in_graph_time
 from pallas_kernels.attention import dispatch, tuning
 from pallas_kernels.attention import kernel as attn_kernel
 from pallas_kernels.attention import reference as attn_ref
@@ -73,6 +73,8 @@ class Recorder:
         t, fl, r, ref = (row.get(k) for k in ("time_s", "floor_s", "ratio", "reference_time_s"))
         g = row.get("time_in_graph_s")
         in_graph = "" if g is None else f" in-graph={_us(g)} ({row['ratio_in_graph']:.2f})"
+        if row.get("device_busy_s") is not None:
+            in_graph += f" busy={_us(row['device_busy_s'])} ({row['ratio_device']:.2f}) {row.get('kernels_us')}"
         print(f"{row['op']:<24} {row.get('case', ''):<14} {row.get('variant', ''):<34} "
               f"t={_us(t)} floor={_us(fl)} ratio={'-' if r is None else f'{r:.2f}'}{in_graph} ref={_us(ref)} "
               f"{row.get('check', '')}", flush=True)
@@ -121,6 +123,19 @@ def kernel_time(fn: Callable[..., Any], arg_sets: Sequence[tuple], small: bool) 
 
 
 IN_GRAPH_COPIES = 16
+
+
+def device_timings(fn: Callable[..., Any], arg_sets: Sequence[tuple], small: bool, floor_s: float) -> dict:
+    """The in-graph time and the GPU trace's kernel-busy time of `fn` (benchmarks/timing.py), with their ratios
+    to `floor_s`: the row fields that tell kernel time from host dispatch."""
+    t_g = graph_time(fn, arg_sets, small)
+    try:
+        prof = device_profile(fn, arg_sets, calls=2 if small else 20)
+    except Exception as e:  # noqa: BLE001 - a profiler that cannot start must not end the run
+        prof = {"profile_error": f"{type(e).__name__}: {str(e)[:200]}"}
+    busy = prof.get("device_busy_s")
+    return dict(time_in_graph_s=t_g, ratio_in_graph=_ratio(t_g, floor_s), ratio_device=_ratio(busy, floor_s),
+                **prof)
 
 
 def graph_time(fn: Callable[..., Any], arg_sets: Sequence[tuple], small: bool) -> float | None:
@@ -299,12 +314,11 @@ def bench_case(case: Case, s: Shapes, rec: Recorder, *, small: bool, interpret: 
     floor_s, floor_kind = _floor(idx_bytes, idx_flops)
     t, err = kernel_time(select, sel_sets, small)
     t_ref = try_time(select_ref, sel_sets[:2], small) if with_reference else None
-    t_g = graph_time(select, sel_sets, small) if decode else None
     tiles = tuning.index_tiles(T, R, P, s.K)
     rec.add(op="msa_index_topk", case=case.name, variant=f"table {_fmt(tiles)}", shape=shape, time_s=t,
             floor_s=floor_s, floor_kind=floor_kind, bytes=idx_bytes, flops=idx_flops, ratio=_ratio(t, floor_s),
-            reference_time_s=t_ref, time_in_graph_s=t_g, ratio_in_graph=_ratio(t_g, floor_s), check=check,
-            error=err, **_no_ref(with_reference))
+            reference_time_s=t_ref, check=check, error=err, **_no_ref(with_reference),
+            **(device_timings(select, sel_sets, small, floor_s) if decode else {}))
     select_ok = err is None
 
     # Kernel stage alone (block scores; the query-block metadata, the forcing and lax.top_k excluded).
@@ -346,12 +360,11 @@ def bench_case(case: Case, s: Shapes, rec: Recorder, *, small: bool, interpret: 
         floor_s, floor_kind = _floor(case.context * s.K * s.D * 2 * itemsize, sp_flops)
     t, err = kernel_time(sp, sp_sets, small)
     t_ref = try_time(sp_ref, sp_sets[:2], small) if with_reference else None
-    t_g = graph_time(sp, sp_sets, small) if decode else None
     stiles = tuning.sparse_tiles(T, R, s.topk, s.hg)
     rec.add(op="msa_sparse_attention", case=case.name, variant=f"table {_fmt(stiles)}", shape=shape, time_s=t,
             floor_s=floor_s, floor_kind=floor_kind, bytes=sp_bytes, flops=sp_flops, ratio=_ratio(t, floor_s),
-            reference_time_s=t_ref, time_in_graph_s=t_g, ratio_in_graph=_ratio(t_g, floor_s), check=check,
-            error=err, **_no_ref(with_reference))
+            reference_time_s=t_ref, check=check, error=err, **_no_ref(with_reference),
+            **(device_timings(sp, sp_sets, small, floor_s) if decode else {}))
 
     # --- dense ragged paged attention (the 3 dense layers) ---
     dn = jax.jit(lambda q, k, v, pt, tr, pos: dispatch.paged_dense_attention(q, k, v, pt, tr, pos, scale))
@@ -367,12 +380,11 @@ def bench_case(case: Case, s: Shapes, rec: Recorder, *, small: bool, interpret: 
     floor_s, floor_kind = _floor(dn_bytes, dn_flops)
     t, err = kernel_time(dn, dn_sets, small)
     t_ref = try_time(dn_ref, dn_sets[:2], small) if with_reference else None
-    t_g = graph_time(dn, dn_sets, small) if decode else None
     dtiles = tuning.dense_tiles(T, R, P, s.K, s.hg)
     rec.add(op="dense_attention", case=case.name, variant=f"table {_fmt(dtiles)}", shape=shape, time_s=t,
             floor_s=floor_s, floor_kind=floor_kind, bytes=dn_bytes, flops=dn_flops, ratio=_ratio(t, floor_s),
-            reference_time_s=t_ref, time_in_graph_s=t_g, ratio_in_graph=_ratio(t_g, floor_s), check=check,
-            error=err, **_no_ref(with_reference))
+            reference_time_s=t_ref, check=check, error=err, **_no_ref(with_reference),
+            **(device_timings(dn, dn_sets, small, floor_s) if decode else {}))
 
     i_floor, _ = _floor(idx_bytes, idx_flops)
     s_floor = rec.rows[-2]["floor_s"]
@@ -613,8 +625,8 @@ def render_markdown(path: str) -> str:
         return "-" if x is None else f"{x * 1e6:,.1f}"
 
     out = ["| op | case | tiles | time (us) | floor (us) | bound | ratio | in-graph (us) | in-graph ratio | "
-           "jnp reference (us) | check |",
-           "|---|---|---|---:|---:|---|---:|---:|---:|---:|---|"]
+           "kernel-busy (us) | busy ratio | jnp reference (us) | check |",
+           "|---|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---|"]
     for main_rows in (True, False):
         for r in rows:
             if r["variant"].startswith("table") != main_rows and r["op"] != "kv_write":
@@ -626,8 +638,10 @@ def render_markdown(path: str) -> str:
                 check = {"error": r["error"][:80]}
             ratio = "-" if r.get("ratio") is None else f"{r['ratio']:.2f}"
             g_ratio = "-" if r.get("ratio_in_graph") is None else f"{r['ratio_in_graph']:.2f}"
+            b_ratio = "-" if r.get("ratio_device") is None else f"{r['ratio_device']:.2f}"
             out.append(f"| {r['op']} | {r['case']} | {r['variant']} | {us(r.get('time_s'))} | {us(r.get('floor_s'))} "
                        f"| {r.get('floor_kind', '')} | {ratio} | {us(r.get('time_in_graph_s'))} | {g_ratio} | "
+                       f"{us(r.get('device_busy_s'))} | {b_ratio} | "
                        f"{us(r.get('reference_time_s'))} | "
                        f"{json.dumps(check)[:120]} |")
     return "\n".join(out)

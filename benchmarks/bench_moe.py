@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.devicewarm import gpu_state, warm_up_device
-from benchmarks.timing import fresh_like, in_graph_time
+from benchmarks.timing import device_profile, fresh_like, in_graph_time
 from pallas_kernels.moe import kernel, layout, reference
 from pallas_kernels.moe.tiles import INTERPRET_TILES, KernelTiles, MoeTiles, pick_tiles, regime
 
@@ -257,8 +257,16 @@ def main() -> None:
             rec["speedup_vs_reference"] = ref_time / rec["time_s"] if ref_time else None
             rec["weight_tbps"] = touched[T] * slot_bytes[fmt] / rec["time_s"] / 1e12
             rec["tflops"] = 2 * T * (K + 1) * 3 * D * F / rec["time_s"] / 1e12
+            if op == "moe_experts":
+                prof = device_profile(fn, inputs[T], calls=2 if args.interpret else 20)
+                rec.update(prof)
+                if "device_busy_s" in prof:
+                    rec["ratio_device"] = prof["device_busy_s"] / rec["floor_s"]
             if op == "moe_experts" and T in graph_inputs:
-                rec["time_in_graph_s"] = in_graph_time(fn, graph_inputs[T], samples=3 if args.interpret else 15)
+                def one(h, idx, wts, ex):
+                    return run_kernel(h, idx, wts, ex, tiles=tiles, layout_method=layout_method)
+                rec["time_in_graph_s"] = in_graph_time(one, graph_inputs[T], shared=(experts,),
+                                                       samples=3 if args.interpret else 15)
                 rec["floor_in_graph_s"] = floor(T, fmt, graph_touched[T])
                 rec["ratio_in_graph"] = rec["time_in_graph_s"] / rec["floor_in_graph_s"]
         except Exception as e:  # one failing config must not lose the rest of the run
@@ -274,7 +282,9 @@ def main() -> None:
             f"{tiles.mx_mode:6s} {layout_method or '':7s} time={rec.get('time_s', 0) * 1e3:8.3f}ms "
             f"ratio={rec.get('ratio', 0):5.2f} "
             + (f"in-graph={rec['time_in_graph_s'] * 1e3:8.3f}ms ({rec['ratio_in_graph']:.2f}) "
-               if "ratio_in_graph" in rec else "") +
+               if "ratio_in_graph" in rec else "")
+            + (f"busy={rec['device_busy_s'] * 1e3:8.3f}ms ({rec['ratio_device']:.2f}) {rec.get('kernels_us')} "
+               if "ratio_device" in rec else "") +
             f"ref={(ref_time or 0) * 1e3:8.3f}ms err={rec.get('rel_err', -1):.2e} {err}")
         return rec
 
@@ -370,12 +380,13 @@ def main() -> None:
             measure(T, name, experts_by_fmt[name], rp_by_fmt.get(name), c, ref_times.get(T), "moe_sweep")
     save()
     log(f"wrote {len(results)} records to {out_path}")
-    print("\n| T | dtype | time ms | floor ms | ratio | in-graph ms | in-graph ratio | ragged_dot ms | speedup | "
-          "rel err |")
+    print("\n| T | dtype | time ms | floor ms | ratio | in-graph ms | in-graph ratio | kernel-busy ms | busy ratio | "
+          "ragged_dot ms | speedup | rel err |")
     for r in results:
         if r["op"] == "moe_experts" and "time_s" in r:
             g = (f"{r['time_in_graph_s'] * 1e3:.3f} | {r['ratio_in_graph']:.2f}" if "ratio_in_graph" in r
                  else "- | -")
+            g += f" | {r['device_busy_s'] * 1e3:.3f} | {r['ratio_device']:.2f}" if "ratio_device" in r else " | - | -"
             print(f"| {r['shape']['T']} | {r['dtype']} | {r['time_s'] * 1e3:.3f} | {r['floor_s'] * 1e3:.3f} | "
                   f"{r['ratio']:.2f} | {g} | {(r['reference_time_s'] or 0) * 1e3:.3f} | "
                   f"{r['speedup_vs_reference'] or 0:.1f} | {r.get('rel_err', float('nan')):.1e} |")

@@ -9,30 +9,34 @@ sits among the layers' other work.
 
 from __future__ import annotations
 
+import glob
 import statistics
+import tempfile
 import time
+from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 
 
-def in_graph_time(fn: Callable[..., Any], copy_args: Sequence[tuple], *, samples: int = 15,
+def in_graph_time(fn: Callable[..., Any], copy_args: Sequence[tuple], *, shared: tuple = (), samples: int = 15,
                   min_sample_s: float = 2e-3) -> float:
-    """Seconds per call of `fn` when its calls on each tuple of `copy_args` run in one jitted program (median
-    over `samples`, each at least `min_sample_s` of back-to-back programs)."""
-    multi = jax.jit(lambda args: [fn(*a) for a in args])
+    """Seconds per call of `fn(*copy_args[i], *shared)` when the calls on every tuple of `copy_args` run in one
+    jitted program (median over `samples`, each at least `min_sample_s` of back-to-back programs). `shared`
+    (weights, say) are arguments of that program: closed over, XLA would embed them as constants."""
+    multi = jax.jit(lambda args, shared: [fn(*a, *shared) for a in args])
     args = list(copy_args)
-    jax.block_until_ready(multi(args))
+    jax.block_until_ready(multi(args, shared))
     t0 = time.perf_counter()
-    jax.block_until_ready(multi(args))
+    jax.block_until_ready(multi(args, shared))
     reps = max(1, int(min_sample_s / max(time.perf_counter() - t0, 1e-6)))
     times = []
     for _ in range(samples):
         t0 = time.perf_counter()
         out = None
         for _ in range(reps):
-            out = multi(args)
+            out = multi(args, shared)
         jax.block_until_ready(out)
         times.append((time.perf_counter() - t0) / (reps * len(args)))
     return statistics.median(times)
@@ -41,3 +45,38 @@ def in_graph_time(fn: Callable[..., Any], copy_args: Sequence[tuple], *, samples
 def fresh_like(x: jax.Array, n: int, seed: int = 0) -> list[jax.Array]:
     """`n` standard-normal arrays of x's shape and dtype (distinct inputs for in_graph_time's copies)."""
     return [jax.random.normal(jax.random.key(seed + i), x.shape, x.dtype) for i in range(n)]
+
+
+def device_profile(fn: Callable[..., Any], arg_sets: Sequence[tuple], *, calls: int = 20,
+                   top: int = 8) -> dict[str, Any]:
+    """The GPU's own record of `calls` back-to-back calls (jax.profiler / CUPTI): kernel-busy seconds per call
+    (the sum of its kernels' durations, so host gaps between calls do not count) and the `top` kernels by time,
+    in microseconds per call. Empty where the trace holds no GPU kernels (on the CPU)."""
+    for a in arg_sets:
+        jax.block_until_ready(fn(*a))
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d):
+            out = None
+            for i in range(calls):
+                out = fn(*arg_sets[i % len(arg_sets)])
+            jax.block_until_ready(out)
+        paths = glob.glob(f"{d}/**/*.xplane.pb", recursive=True)
+        data = jax.profiler.ProfileData.from_file(paths[0]) if paths else None
+    per_kernel: dict[str, float] = defaultdict(float)
+    events = 0
+    for plane in data.planes if data else []:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        lines = list(plane.lines)
+        # Kernel and memcpy events sit on the stream lines; the others (XLA Ops, XLA Modules, ...) repeat them.
+        streams = [ln for ln in lines if ln.name.startswith("Stream")] or lines
+        for line in streams:
+            for ev in line.events:
+                per_kernel[ev.name] += ev.duration_ns * 1e-9
+                events += 1
+    if not per_kernel:
+        return {}
+    busy = sum(per_kernel.values()) / calls
+    ranked = sorted(per_kernel.items(), key=lambda kv: -kv[1])
+    return {"device_busy_s": busy, "kernels_us": {k[:80]: round(v / calls * 1e6, 2) for k, v in ranked[:top]},
+            "kernels_per_call": events / calls, "trace_lines": sorted({ln.name for ln in streams})[:6]}

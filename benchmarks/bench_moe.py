@@ -53,8 +53,10 @@ def candidates(T: int, fmt: str) -> list[MoeTiles]:
     if T == 1:
         # Split K: one token's 5 slots make few output tiles (240 programs for 132 SMs at the table's tiles).
         out += [base.replace(gu=dataclasses.replace(base.gu, split=g), dn=dataclasses.replace(base.dn, split=d))
-                for g, d in ((2, 2), (3, 3), (4, 4), (2, 1), (3, 1), (1, 2), (3, 2)) if (g, d) != (base.gu.split,
+                for g, d in ((2, 2), (3, 3), (2, 1), (1, 2), (1, 3), (1, 4), (1, 6)) if (g, d) != (base.gu.split,
                                                                                               base.dn.split)]
+        # Narrower down tiles: twice the programs without the partials.
+        out += [base.replace(dn=dataclasses.replace(base.dn, bn=64, split=d)) for d in (1, 2)]
         out.append(base.replace(gu=dataclasses.replace(base.gu, split=1), dn=dataclasses.replace(base.dn, split=1)))
     if fmt != "dense" and base.mx_mode == "expand":
         out.append(base.replace(mx_mode="subdot") if reg != "prefill" else None)
@@ -257,7 +259,7 @@ def main() -> None:
             rec["speedup_vs_reference"] = ref_time / rec["time_s"] if ref_time else None
             rec["weight_tbps"] = touched[T] * slot_bytes[fmt] / rec["time_s"] / 1e12
             rec["tflops"] = 2 * T * (K + 1) * 3 * D * F / rec["time_s"] / 1e12
-            if op == "moe_experts":
+            if op in ("moe_experts", "moe_sweep"):
                 prof = device_profile(fn, inputs[T], calls=2 if args.interpret else 20)
                 rec.update(prof)
                 if "device_busy_s" in prof:

@@ -23,6 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.timing import device_profile
+
 
 def step_bytes(cfg, B: int, context: int, itemsize: int = 2) -> dict[str, float]:
     d, hd, kv = cfg.hidden_size, cfg.head_dim, cfg.num_kv_heads
@@ -113,6 +115,13 @@ def main() -> None:
         run()
         compile_s = time.perf_counter() - t
         step_s = timeit(run)
+
+        def step_only():  # no host sync per step: the GPU trace's kernel-busy time of one step
+            out = model.step(state["kv"], batch)
+            state["kv"] = out.kv
+            return out.logits
+
+        prof = device_profile(step_only, [()], calls=10, top=12)
         x = jnp.ones((B, cfg.hidden_size), jnp.bfloat16)
         head_s = timeit(lambda: jax.block_until_ready(head(x, params["lm_head"])))
         b = step_bytes(cfg, B, args.context)
@@ -125,7 +134,10 @@ def main() -> None:
                 "per_layer_time_s": per_layer, "per_layer_floor_s": layer_floor,
                 "per_layer_ratio": per_layer / layer_floor, "bytes": b, "compile_s": compile_s,
                 "device": jax.devices()[0].device_kind, "git_rev": rev, "jax": jax.__version__,
-                "reference_time_s": None}
+                "reference_time_s": None, **prof,
+                **({"per_layer_busy_s": (prof["device_busy_s"] - head_s) / cfg.num_layers,
+                    "per_layer_busy_ratio": (prof["device_busy_s"] - head_s) / cfg.num_layers / layer_floor}
+                   if "device_busy_s" in prof else {})}
 
     results = []
     for B in args.batches:

@@ -24,6 +24,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
@@ -275,7 +276,7 @@ def paged_block_sparse_attention(q_THD: jax.Array, k_pages: jax.Array, v_pages: 
         # (-1 entries are masked in the kernel), no sort needed on the decode path.
         T, G, N = blocks_TGN.shape
         assert qbs.num_blocks == T
-        page_list, count, per_token = blocks_TGN, jnp.full((T, G), N, jnp.int32), None
+        page_list, count, per_token = blocks_TGN, np.full((T, G), N, np.int32), None  # a constant, no kernel
     else:
         page_list, count = union_page_lists(blocks_TGN, qbs, bt)
         per_token = blocks_TGN

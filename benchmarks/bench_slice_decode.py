@@ -124,6 +124,7 @@ def main() -> None:
         prof = device_profile(step_only, [()], calls=10, top=12)
         x = jnp.ones((B, cfg.hidden_size), jnp.bfloat16)
         head_s = timeit(lambda: jax.block_until_ready(head(x, params["lm_head"])))
+        head_busy = device_profile(head, [(x, params["lm_head"])], calls=10).get("device_busy_s", head_s)
         b = step_bytes(cfg, B, args.context)
         bw = args.hbm_tbps * 1e12
         floor_s = b["total"] / bw
@@ -135,8 +136,9 @@ def main() -> None:
                 "per_layer_ratio": per_layer / layer_floor, "bytes": b, "compile_s": compile_s,
                 "device": jax.devices()[0].device_kind, "git_rev": rev, "jax": jax.__version__,
                 "reference_time_s": None, **prof,
-                **({"per_layer_busy_s": (prof["device_busy_s"] - head_s) / cfg.num_layers,
-                    "per_layer_busy_ratio": (prof["device_busy_s"] - head_s) / cfg.num_layers / layer_floor}
+                **({"lm_head_busy_s": head_busy, "busy_ratio": prof["device_busy_s"] / floor_s,
+                    "per_layer_busy_s": (prof["device_busy_s"] - head_busy) / cfg.num_layers,
+                    "per_layer_busy_ratio": (prof["device_busy_s"] - head_busy) / cfg.num_layers / layer_floor}
                    if "device_busy_s" in prof else {})}
 
     results = []

@@ -18,7 +18,6 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 
 @jax.tree_util.register_dataclass
@@ -45,12 +44,9 @@ def query_blocks(token_row_T: jax.Array, pos_T: jax.Array, *, bt: int, num_rows:
     """Split the flat batch into query blocks of <= bt tokens that never straddle two requests."""
     T = token_row_T.shape[0]
     Q = max_query_blocks(T, num_rows, bt)
-    if bt == 1:
-        # One token per block: no runs to find. numpy arrays become constants of the compiled program, where
-        # jnp.arange / jnp.ones would each be one more small kernel launched per call on the decode path.
-        return QueryBlocks(np.arange(T, dtype=np.int32), np.ones((T,), np.int32), token_row_T.astype(jnp.int32),
-                           pos_T.astype(jnp.int32))
     t = jnp.arange(T, dtype=jnp.int32)
+    if bt == 1:  # one token per block: no runs to find (and no small scatter kernels on the decode path)
+        return QueryBlocks(t, jnp.ones((T,), jnp.int32), token_row_T.astype(jnp.int32), pos_T.astype(jnp.int32))
     run_start = jnp.concatenate([jnp.ones((1,), jnp.bool_), token_row_T[1:] != token_row_T[:-1]])
     first_T = jax.lax.cummax(jnp.where(run_start, t, 0), axis=0)  # first token of each token's run
     new_block = (t - first_T) % bt == 0

@@ -24,7 +24,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
@@ -276,7 +275,7 @@ def paged_block_sparse_attention(q_THD: jax.Array, k_pages: jax.Array, v_pages: 
         # (-1 entries are masked in the kernel), no sort needed on the decode path.
         T, G, N = blocks_TGN.shape
         assert qbs.num_blocks == T
-        page_list, count, per_token = blocks_TGN, np.full((T, G), N, np.int32), None  # a constant, no kernel
+        page_list, count, per_token = blocks_TGN, jnp.full((T, G), N, jnp.int32), None
     else:
         page_list, count = union_page_lists(blocks_TGN, qbs, bt)
         per_token = blocks_TGN

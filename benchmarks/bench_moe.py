@@ -174,6 +174,8 @@ def main() -> None:
                     help="sweep only these cases (e.g. 8192:bf16 1:mxfp8), in this order")
     ap.add_argument("--kernels-only-tokens", type=int, nargs="+", default=[1, 8, 32, 128],
                     help="also time the two kernels alone (layout precomputed) at these T")
+    ap.add_argument("--gather-ab-tokens", type=int, nargs="*", default=[],
+                    help="A/B the in-kernel x gather against an XLA row copy first at these T")
     ap.add_argument("--in-graph-max-tokens", type=int, default=128,
                     help=f"also time the op in one jitted program of {IN_GRAPH_COPIES} copies (timing.py) up to "
                          "this T")
@@ -362,6 +364,43 @@ def main() -> None:
             save()
             log(f"kernels only T={T:5d} {name:6s} time={rec.get('time_s', 0) * 1e3:8.3f}ms "
                 f"ratio={rec.get('ratio', 0):5.2f} {rec.get('error', '')[:200]}")
+
+    # A/B of where x's rows are gathered: inside gate_up's loads (the library's path) or by an XLA gather that
+    # writes the [M, D] row copy first (the path before rev dd3054b), same tiles and inputs.
+    @functools.partial(jax.jit, static_argnames=("tiles",))
+    def run_copy_x(h, idx, wts, experts, tiles):
+        lay = kernel.sort_and_pad(idx, wts, num_slots=E + 1, shared_slot=True, bm=tiles.bm, routed_scaling=SCALING)
+        x_MD = h[lay.row_token_M]
+        act = kernel.gate_up(x_MD, jnp.arange(x_MD.shape[0], dtype=jnp.int32), lay.slot_B, experts, tiles,
+                             alpha=ALPHA, limit=LIMIT, interpret=args.interpret)
+        y = kernel.down(act, lay.slot_B, lay.row_weight_M, experts, tiles, interpret=args.interpret)
+        if y.ndim == 3:
+            return jnp.sum(y[:, lay.dest_TJ], axis=(0, 2))
+        return jnp.sum(y[lay.dest_TJ].astype(jnp.float32), axis=1)
+
+    for T in [t for t in args.tokens if t in args.gather_ab_tokens]:
+        for name in [f for f in args.formats if f not in args.skip_main]:
+            if time.perf_counter() - T0 > args.deadline:
+                break
+            ex = experts_by_fmt[name]
+            tiles = kernel.kernel_tiles(T, ex, interpret=args.interpret)
+            for variant, f in (("in_kernel", functools.partial(run_kernel, experts=ex, tiles=tiles)),
+                               ("xla_copy", functools.partial(run_copy_x, experts=ex, tiles=tiles))):
+                rec = {"op": "moe_x_gather_ab", "variant": variant, "dtype": name, "tiles": tiles_dict(tiles),
+                       "shape": {"T": T, "E": E, "D": D, "F": F, "top_k": K, "shared": 1}, "device": device,
+                       "git_rev": rev, "gpu_state": state}
+                try:
+                    rec["time_s"] = bench(f, inputs[T])
+                    rec.update(device_profile(f, inputs[T], calls=2 if args.interpret else 20))
+                    rec["floor_s"] = floor(T, name)
+                    rec["ratio"] = rec["time_s"] / rec["floor_s"]
+                except Exception as e:
+                    rec["error"] = f"{type(e).__name__}: {str(e)[:2000]}"
+                results.append(rec)
+                save()
+                log(f"x gather A/B T={T:5d} {name:6s} {variant:9s} time={rec.get('time_s', 0) * 1e3:8.3f}ms "
+                    f"busy={rec.get('device_busy_s', 0) * 1e3:8.3f}ms {rec.get('kernels_us')} "
+                    f"{rec.get('error', '')[:200]}")
 
     if args.sweep and not args.interpret:
         sweep_fmts = [f for f in ("bf16", "mxfp8") if f in experts_by_fmt]

@@ -58,6 +58,9 @@ def candidates(T: int, fmt: str) -> list[MoeTiles]:
         # Narrower down tiles: twice the programs without the partials.
         out += [base.replace(dn=dataclasses.replace(base.dn, bn=64, split=d)) for d in (1, 2)]
         out.append(base.replace(gu=dataclasses.replace(base.gu, split=1), dn=dataclasses.replace(base.dn, split=1)))
+    if reg != "decode" and base.bm >= 32:
+        # Half-height tail blocks (kernel._for_used_block) on or off: first, so --sweep-first 1 is that A/B.
+        out.append(base.replace(half_tail=not base.half_tail))
     if fmt != "dense" and base.mx_mode == "expand":
         out.append(base.replace(mx_mode="subdot") if reg != "prefill" else None)
     if reg == "decode" and fmt != "dense":
@@ -174,6 +177,7 @@ def main() -> None:
                     help="sweep only these cases (e.g. 8192:bf16 1:mxfp8), in this order")
     ap.add_argument("--kernels-only-tokens", type=int, nargs="+", default=[1, 8, 32, 128],
                     help="also time the two kernels alone (layout precomputed) at these T")
+    ap.add_argument("--sweep-first", type=int, default=1000, help="sweep only the first N candidates of each case")
     ap.add_argument("--gather-ab-tokens", type=int, nargs="*", default=[],
                     help="A/B the in-kernel x gather against an XLA row copy first at these T")
     ap.add_argument("--in-graph-max-tokens", type=int, default=128,
@@ -282,7 +286,8 @@ def main() -> None:
         def kt(t: KernelTiles) -> str:
             return f"{t.bn}/{t.bk}/{t.warps}/{t.stages}" + (f"/s{t.split}" if t.split > 1 else "")
 
-        log(f"{op:12s} T={T:5d} {fmt:6s} bm={tiles.bm:3d} gu={kt(tiles.gu)} dn={kt(tiles.dn)} g={tiles.group} "
+        log(f"{op:12s} T={T:5d} {fmt:6s} bm={tiles.bm:3d}{'h' if tiles.half_tail else ''} gu={kt(tiles.gu)} "
+            f"dn={kt(tiles.dn)} g={tiles.group} "
             f"{tiles.mx_mode:6s} {layout_method or '':7s} time={rec.get('time_s', 0) * 1e3:8.3f}ms "
             f"ratio={rec.get('ratio', 0):5.2f} "
             + (f"in-graph={rec['time_in_graph_s'] * 1e3:8.3f}ms ({rec['ratio_in_graph']:.2f}) "
@@ -333,10 +338,10 @@ def main() -> None:
 
     # The two kernels alone (layout precomputed): what the glue (sort and combine) adds at decode sizes.
     @functools.partial(jax.jit, static_argnames=("tiles",))
-    def run_kernels_only(h_TD, row_token_M, slot_B, row_weight_M, experts, tiles):
-        act = kernel.gate_up(h_TD, row_token_M, slot_B, experts, tiles, alpha=ALPHA, limit=LIMIT,
+    def run_kernels_only(h_TD, row_token_M, slot_B, rows_B, row_weight_M, experts, tiles):
+        act = kernel.gate_up(h_TD, row_token_M, slot_B, rows_B, experts, tiles, alpha=ALPHA, limit=LIMIT,
                              interpret=args.interpret)
-        return kernel.down(act, slot_B, row_weight_M, experts, tiles, interpret=args.interpret)
+        return kernel.down(act, slot_B, rows_B, row_weight_M, experts, tiles, interpret=args.interpret)
 
     for T in [t for t in args.tokens if t in args.kernels_only_tokens]:
         for name in [f for f in args.formats if f not in args.skip_main]:
@@ -352,7 +357,7 @@ def main() -> None:
                 lay_inputs = []
                 for h, idx, wts in inputs[T]:
                     lay = sp(idx, wts)
-                    lay_inputs.append((h, lay.row_token_M, lay.slot_B, lay.row_weight_M))
+                    lay_inputs.append((h, lay.row_token_M, lay.slot_B, lay.rows_B, lay.row_weight_M))
                 rec["time_s"] = bench(functools.partial(run_kernels_only, experts=experts_by_fmt[name], tiles=tiles),
                                       lay_inputs)
                 rec["floor_s"] = floor(T, name)
@@ -371,9 +376,9 @@ def main() -> None:
     def run_copy_x(h, idx, wts, experts, tiles):
         lay = kernel.sort_and_pad(idx, wts, num_slots=E + 1, shared_slot=True, bm=tiles.bm, routed_scaling=SCALING)
         x_MD = h[lay.row_token_M]
-        act = kernel.gate_up(x_MD, jnp.arange(x_MD.shape[0], dtype=jnp.int32), lay.slot_B, experts, tiles,
-                             alpha=ALPHA, limit=LIMIT, interpret=args.interpret)
-        y = kernel.down(act, lay.slot_B, lay.row_weight_M, experts, tiles, interpret=args.interpret)
+        act = kernel.gate_up(x_MD, jnp.arange(x_MD.shape[0], dtype=jnp.int32), lay.slot_B, lay.rows_B, experts,
+                             tiles, alpha=ALPHA, limit=LIMIT, interpret=args.interpret)
+        y = kernel.down(act, lay.slot_B, lay.rows_B, lay.row_weight_M, experts, tiles, interpret=args.interpret)
         if y.ndim == 3:
             return jnp.sum(y[:, lay.dest_TJ], axis=(0, 2))
         return jnp.sum(y[lay.dest_TJ].astype(jnp.float32), axis=1)
@@ -413,7 +418,7 @@ def main() -> None:
         order = [(T, f) for T, f in order if T in args.tokens and f in sweep_fmts]
         plan = []
         for T, name in order:
-            plan += [(T, name, c) for c in candidates(T, FORMATS[name])]
+            plan += [(T, name, c) for c in candidates(T, FORMATS[name])[:args.sweep_first]]
         for T, name, c in plan:
             if time.perf_counter() - T0 > args.deadline:
                 log("deadline: stopping the sweep")

@@ -118,13 +118,13 @@ def lower_ttir(which: str, fmt: str, tiles, tokens: int) -> tuple[str, dict]:
     slot = sds((nb,), jnp.int32)
     experts = expert_structs(fmt)
     if which == "gate_up":
-        def fn(h, row_token, slot, experts):
-            return kernel.gate_up(h, row_token, slot, experts, tiles, alpha=1.702, limit=7.0)
-        args = (sds((tokens, D), jnp.bfloat16), sds((nb * bm,), jnp.int32), slot, experts)
+        def fn(h, row_token, slot, rows, experts):
+            return kernel.gate_up(h, row_token, slot, rows, experts, tiles, alpha=1.702, limit=7.0)
+        args = (sds((tokens, D), jnp.bfloat16), sds((nb * bm,), jnp.int32), slot, slot, experts)
     else:
-        def fn(a, slot, rw, experts):
-            return kernel.down(a, slot, rw, experts, tiles)
-        args = (sds((nb * bm, F), jnp.bfloat16), slot, sds((nb * bm,), jnp.float32), experts)
+        def fn(a, slot, rows, rw, experts):
+            return kernel.down(a, slot, rows, rw, experts, tiles)
+        args = (sds((nb * bm, F), jnp.bfloat16), slot, slot, sds((nb * bm,), jnp.float32), experts)
     dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="cuda")
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=dev)):
         lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
@@ -273,6 +273,8 @@ def main() -> None:
     ap.add_argument("--capability", type=int, default=90)
     ap.add_argument("--clock-ghz", type=float, default=1.98, help="SM clock for the issue ceiling (H200 boost)")
     ap.add_argument("--sms", type=int, default=132)
+    ap.add_argument("--half-tail", choices=["table", "on", "off"], default="table",
+                    help="MoeTiles.half_tail (half-height tail blocks; default: the table's)")
     ap.add_argument("--dump", help="keep ttir / ttgir / ptx / sass here")
     ap.add_argument("--ops", action="store_true", help="also print the full opcode histogram of the loop")
     a = ap.parse_args()
@@ -280,6 +282,8 @@ def main() -> None:
     tiles = pick_tiles(a.tokens, fmt)
     tiles = tiles.replace(gu=parse_tiles(a.gu, tiles.gu), dn=parse_tiles(a.dn, tiles.dn),
                           mx_mode=a.mx_mode or tiles.mx_mode)
+    if a.half_tail != "table":
+        tiles = tiles.replace(half_tail=a.half_tail == "on")
     for which in (["gate_up", "down"] if a.kernel == "both" else [a.kernel]):
         text, settings = lower_ttir(which, fmt, tiles, a.tokens)
         with tempfile.TemporaryDirectory() as tmp:

@@ -145,6 +145,8 @@ def test_sort_and_pad_invariants(bias: np.ndarray | None, T: int) -> None:
     assert np.all(slot_B[: used.size] >= 0)
     assert np.all(np.diff(used) >= 0) if T > 1 else len(np.unique(used)) == used.size
     assert set(np.unique(dest // bm)) == set(range(used.size))
+    # rows_B counts each block's pairs (what the half-height tail blocks go by); unused blocks hold none.
+    np.testing.assert_array_equal(np.asarray(lay.rows_B), np.bincount(dest.ravel() // bm, minlength=slot_B.size))
 
 
 @pytest.mark.parametrize("bias", [None, bias_with(hot=[3]), bias_with(cold=[0, 1, 2, 5, 6])])
@@ -156,7 +158,7 @@ def test_compare_layout_equals_argsort_layout(bias: np.ndarray | None, T: int) -
     kw = {"num_slots": E + 1, "shared_slot": True, "bm": 16, "routed_scaling": 2.0}
     a = kernel.sort_and_pad(idx, w, method="argsort", **kw)
     b = kernel.sort_and_pad(idx, w, method="compare", **kw)
-    for name in ("row_token_M", "row_weight_M", "slot_B", "dest_TJ"):
+    for name in ("row_token_M", "row_weight_M", "slot_B", "dest_TJ", "rows_B"):
         np.testing.assert_array_equal(np.asarray(getattr(a, name)), np.asarray(getattr(b, name)), err_msg=name)
 
 
@@ -210,6 +212,22 @@ def test_split_k_equals_reference(fmt: str, bk: int, split: int) -> None:
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5 * float(jnp.abs(want).max()))
     np.testing.assert_array_equal(np.asarray(got), np.asarray(kernel.moe_pallas(h, p, interpret=True, tiles=tiles,
                                                                                 **KW)))
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp8"])
+def test_half_height_tail_blocks_equal_reference(fmt: str) -> None:
+    """Blocks holding at most half a block of pairs compute half the rows (MoeTiles.half_tail): 32-row blocks,
+    57 tokens with a hot and an empty expert, so there are full blocks, tails of <= 16 pairs and tails of more."""
+    p = prepare_moe(moe_params(13, bias=bias_with(hot=[4], cold=[6])), fmt, keep_reference=False)
+    h = hidden(14, 57)
+    tiles = INTERPRET_TILES.replace(bm=32, half_tail=True)
+    idx, w = reference.route(h, p["router"], p["router_bias"], TOP_K)
+    rows = np.asarray(kernel.sort_and_pad(idx, w, num_slots=E + 1, shared_slot=True, bm=32,
+                                          routed_scaling=KW["routed_scaling"]).rows_B)
+    assert np.any(rows == 32) and np.any((rows > 0) & (rows <= 16)) and np.any((rows > 16) & (rows < 32))
+    want = reference.moe(h, layout.reference_params(p, jnp.float32), **KW)
+    got = kernel.moe_pallas(h, p, interpret=True, tiles=tiles, **KW)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5 * float(jnp.abs(want).max()))
 
 
 def _prmt(a: np.ndarray, sel: int) -> np.ndarray:

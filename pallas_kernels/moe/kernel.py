@@ -50,6 +50,7 @@ class RowLayout:
     #                          shared slot, 0 for padding rows
     slot_B: jax.Array  # expert slot of each row block; -1 past the last used block
     dest_TJ: jax.Array  # the row of each (token, choice); choice k is the shared slot when it is stacked
+    rows_B: jax.Array  # rows of each block that hold a (token, choice) pair (the rest are padding); 0 if unused
 
 
 def max_row_blocks(num_rows: int, num_slots: int, bm: int) -> int:
@@ -86,7 +87,7 @@ def sort_and_pad(idx_TK: jax.Array, w_TK: jax.Array, *, num_slots: int, shared_s
         m = jnp.arange(J * bm, dtype=jnp.int32)
         row_weight_M = jnp.where(m % bm == 0, w_TJ.reshape(-1)[m // bm], 0.0)
         return RowLayout(jnp.zeros(J * bm, jnp.int32), row_weight_M, e_TJ.reshape(-1),
-                         (jnp.arange(J, dtype=jnp.int32) * bm)[None, :])
+                         (jnp.arange(J, dtype=jnp.int32) * bm)[None, :], jnp.ones((J,), jnp.int32))
     flat_e = e_TJ.reshape(-1)
     if method is None:
         method = "compare" if R <= COMPARE_LAYOUT_MAX_PAIRS else "argsort"
@@ -109,7 +110,8 @@ def sort_and_pad(idx_TK: jax.Array, w_TK: jax.Array, *, num_slots: int, shared_s
     # compare_all: one vectorised compare instead of a loop (a GPU while loop syncs with the host per step).
     slot_B = jnp.searchsorted(bend_S, blocks, side="right", method="compare_all").astype(jnp.int32)
     slot_B = jnp.where(blocks < bend_S[-1], slot_B, -1)
-    return RowLayout(row_token_M, row_weight_M, slot_B, dest_R.reshape(T, J))
+    return RowLayout(row_token_M, row_weight_M, slot_B, dest_R.reshape(T, J),
+                     _block_rows(slot_B, sizes_S, bend_S - blocks_S, bm))
 
 
 def _compare_layout(e_R: jax.Array, w_R: jax.Array, *, T: int, J: int, num_slots: int, bm: int) -> RowLayout:
@@ -133,7 +135,15 @@ def _compare_layout(e_R: jax.Array, w_R: jax.Array, *, T: int, J: int, num_slots
     blocks = jnp.arange(nb, dtype=jnp.int32)
     slot_B = jnp.sum(bend_S[None, :] <= blocks[:, None], axis=1, dtype=jnp.int32)  # the slot holding block b
     slot_B = jnp.where(blocks < bend_S[-1], slot_B, -1)
-    return RowLayout(row_token_M, row_weight_M, slot_B, dest_R.reshape(T, J))
+    return RowLayout(row_token_M, row_weight_M, slot_B, dest_R.reshape(T, J),
+                     _block_rows(slot_B, sizes_S, bstart_S, bm))
+
+
+def _block_rows(slot_B: jax.Array, sizes_S: jax.Array, bstart_S: jax.Array, bm: int) -> jax.Array:
+    """Pairs in each row block: its slot's rows past the block's start, at most bm (0 for unused blocks)."""
+    s = jnp.maximum(slot_B, 0)
+    b = jnp.arange(slot_B.shape[0], dtype=jnp.int32)
+    return jnp.where(slot_B >= 0, jnp.clip(sizes_S[s] - (b - bstart_S[s]) * bm, 0, bm), 0).astype(jnp.int32)
 
 
 # ---- in-kernel pieces ------------------------------------------------------------------------------------
@@ -214,19 +224,32 @@ def _mac(acc: jax.Array, x_ref, rows: pl.Slice | jax.Array, k0: jax.Array, w_ref
     return acc
 
 
-def _gate_up_kernel(slot_ref, token_ref, x_ref, *refs, n_w: int, fmt: str, bm: int, kt: KernelTiles, nb: int,
-                    nt: int, group: int, mx_mode: str, alpha: float, limit: float, interpret: bool):
+def _for_used_block(slot: jax.Array, rows: jax.Array, bm: int, half_tail: bool, body) -> None:
+    """body(m) for a used row block, m = the rows it computes: bm, or bm // 2 for a block holding no more pairs
+    than that (`MoeTiles.half_tail`: a slot's last block is half padding on average, and a half-height dot skips
+    that half's MMA work and x reads while reading the same weight tiles). The rows past m stay unwritten: they
+    are padding, which nothing reads back (down reads the same m rows, the combine only real rows)."""
+    if not half_tail:
+        pl.when(slot >= 0)(lambda: body(bm))
+        return
+    few = rows <= bm // 2
+    pl.when((slot >= 0) & jnp.logical_not(few))(lambda: body(bm))
+    pl.when((slot >= 0) & few)(lambda: body(bm // 2))
+
+
+def _gate_up_kernel(slot_ref, rows_ref, token_ref, x_ref, *refs, n_w: int, fmt: str, bm: int, kt: KernelTiles,
+                    nb: int, nt: int, group: int, mx_mode: str, half_tail: bool, alpha: float, limit: float,
+                    interpret: bool):
     g_refs, u_refs = refs[:n_w], refs[n_w:2 * n_w]
     o_ref = refs[-1] if kt.split == 1 else refs[-3]  # (split-K: count in, act, partials, count out)
     b, j, ks = _block_and_tile(nb, nt, group, kt.split)
     slot = slot_ref[b]
 
-    @pl.when(slot >= 0)
-    def _():
+    def block(m: int) -> None:
         row0 = pl.multiple_of(b * bm, bm)
         n0 = pl.multiple_of(j * kt.bn, kt.bn)
         # The block's rows are tokens' hidden states, gathered by each x load (no [M, D] copy of x in HBM).
-        tok_B = token_ref[pl.ds(row0, bm)]
+        tok_B = token_ref[pl.ds(row0, m)]
         mac = functools.partial(_mac, x_ref=x_ref, rows=tok_B, slot=slot, col0=n0, fmt=fmt, bn=kt.bn, bk=kt.bk,
                                 mx_mode=mx_mode)
 
@@ -234,9 +257,9 @@ def _gate_up_kernel(slot_ref, token_ref, x_ref, *refs, n_w: int, fmt: str, bm: i
             k0 = pl.multiple_of(i * kt.bk, kt.bk)
             return mac(accs[0], k0=k0, w_refs=g_refs), mac(accs[1], k0=k0, w_refs=u_refs)
 
-        zeros = jnp.zeros((bm, kt.bn), jnp.float32)
+        zeros = jnp.zeros((m, kt.bn), jnp.float32)
         gate, up = jax.lax.fori_loop(*_k_steps(x_ref.shape[1], kt, ks), step, (zeros, zeros))
-        rows, cols = pl.ds(row0, bm), pl.ds(n0, kt.bn)
+        rows, cols = pl.ds(row0, m), pl.ds(n0, kt.bn)
 
         def epilogue(gate: jax.Array, up: jax.Array) -> None:
             # SwiGLU-OAI (the reference's own function) on the fp32 accumulators, before the one rounding to bf16.
@@ -247,6 +270,8 @@ def _gate_up_kernel(slot_ref, token_ref, x_ref, *refs, n_w: int, fmt: str, bm: i
         else:
             _last_split_sums(refs[-2], refs[-1], gate, up, b * nt + j, ks, rows, cols, epilogue, split=kt.split,
                              interpret=interpret)
+
+    _for_used_block(slot, rows_ref[b], bm, half_tail, block)
 
 
 def _last_split_sums(part_ref, count_ref, gate, up, tile, ks, rows, cols, epilogue, *, split: int,
@@ -271,29 +296,30 @@ def _last_split_sums(part_ref, count_ref, gate, up, tile, ks, rows, cols, epilog
     when_last(count_ref, tile, split, sum_and_finish, interpret=interpret)
 
 
-def _down_kernel(slot_ref, rw_ref, a_ref, *refs, fmt: str, bm: int, kt: KernelTiles, nb: int, nt: int,
-                 group: int, mx_mode: str):
+def _down_kernel(slot_ref, rows_ref, rw_ref, a_ref, *refs, fmt: str, bm: int, kt: KernelTiles, nb: int, nt: int,
+                 group: int, mx_mode: str, half_tail: bool):
     w_refs, o_ref = refs[:-1], refs[-1]
     b, j, ks = _block_and_tile(nb, nt, group, kt.split)
     slot = slot_ref[b]
 
-    @pl.when(slot >= 0)
-    def _():
+    def block(m: int) -> None:
         row0 = pl.multiple_of(b * bm, bm)
         n0 = pl.multiple_of(j * kt.bn, kt.bn)
 
         def step(i, acc):
             k0 = pl.multiple_of(i * kt.bk, kt.bk)
-            return _mac(acc, a_ref, pl.ds(row0, bm), k0, w_refs, slot, n0, fmt=fmt, bn=kt.bn, bk=kt.bk,
+            return _mac(acc, a_ref, pl.ds(row0, m), k0, w_refs, slot, n0, fmt=fmt, bn=kt.bn, bk=kt.bk,
                         mx_mode=mx_mode)
 
-        acc = jax.lax.fori_loop(*_k_steps(a_ref.shape[1], kt, ks), step, jnp.zeros((bm, kt.bn), jnp.float32))
+        acc = jax.lax.fori_loop(*_k_steps(a_ref.shape[1], kt, ks), step, jnp.zeros((m, kt.bn), jnp.float32))
         # The combine weight (routing weight * routed_scaling; 1 for the shared slot) is applied here, in fp32.
-        y = acc * rw_ref[pl.ds(row0, bm)][:, None]
+        y = acc * rw_ref[pl.ds(row0, m)][:, None]
         if kt.split == 1:
-            o_ref[pl.ds(row0, bm), pl.ds(n0, kt.bn)] = y.astype(o_ref.dtype)
+            o_ref[pl.ds(row0, m), pl.ds(n0, kt.bn)] = y.astype(o_ref.dtype)
         else:  # fp32 partials [split, M, D], summed by the combine
-            o_ref[ks, pl.ds(row0, bm), pl.ds(n0, kt.bn)] = y
+            o_ref[ks, pl.ds(row0, m), pl.ds(n0, kt.bn)] = y
+
+    _for_used_block(slot, rows_ref[b], bm, half_tail, block)
 
 
 def _mode(tiles: MoeTiles, interpret: bool) -> str:
@@ -316,10 +342,10 @@ def _check_tiles(bm: int, kt: KernelTiles, k: int, n: int, fmt: str) -> None:
     assert kt.bk % layout.MX_GROUP == 0 or fmt == "dense", "MX tiles need bk a multiple of 128 (pair packing)"
 
 
-def gate_up(h_TD: jax.Array, row_token_M: jax.Array, slot_B: jax.Array, experts: dict, tiles: MoeTiles, *,
-            alpha: float, limit: float, interpret: bool = False) -> jax.Array:
+def gate_up(h_TD: jax.Array, row_token_M: jax.Array, slot_B: jax.Array, rows_B: jax.Array, experts: dict,
+            tiles: MoeTiles, *, alpha: float, limit: float, interpret: bool = False) -> jax.Array:
     """act [M, F] = SwiGLU-OAI(x @ gate[slot], x @ up[slot]) per row block, x = h[row_token] (gathered in the
-    kernel)."""
+    kernel). Padding rows are garbage where tiles.half_tail leaves them unwritten."""
     fmt = layout.weight_format(experts)
     g_arrays, u_arrays = layout.weight_arrays(experts, "gate"), layout.weight_arrays(experts, "up")
     M, D = row_token_M.shape[0], h_TD.shape[1]
@@ -329,9 +355,9 @@ def gate_up(h_TD: jax.Array, row_token_M: jax.Array, slot_B: jax.Array, experts:
     _check_offsets(h_TD, *g_arrays, *u_arrays)
     nt = F // kt.bn
     kernel = functools.partial(_gate_up_kernel, n_w=len(g_arrays), fmt=fmt, bm=tiles.bm, kt=kt, nb=nb, nt=nt,
-                               group=min(tiles.group, nb), mx_mode=_mode(tiles, interpret), alpha=alpha,
-                               limit=limit, interpret=interpret)
-    args = (slot_B, row_token_M.astype(jnp.int32), h_TD, *g_arrays, *u_arrays)
+                               group=min(tiles.group, nb), mx_mode=_mode(tiles, interpret),
+                               half_tail=tiles.half_tail, alpha=alpha, limit=limit, interpret=interpret)
+    args = (slot_B, rows_B, row_token_M.astype(jnp.int32), h_TD, *g_arrays, *u_arrays)
     out_shape = jax.ShapeDtypeStruct((M, F), h_TD.dtype)
     extra = {}
     if kt.split > 1:  # fp32 partials of each split, and per output tile the programs done (zeros, aliased)
@@ -351,8 +377,8 @@ def gate_up(h_TD: jax.Array, row_token_M: jax.Array, slot_B: jax.Array, experts:
     return out if kt.split == 1 else out[0]
 
 
-def down(act_MF: jax.Array, slot_B: jax.Array, row_weight_M: jax.Array, experts: dict, tiles: MoeTiles, *,
-         interpret: bool = False) -> jax.Array:
+def down(act_MF: jax.Array, slot_B: jax.Array, rows_B: jax.Array, row_weight_M: jax.Array, experts: dict,
+         tiles: MoeTiles, *, interpret: bool = False) -> jax.Array:
     """y [M, D] = row_weight * (act @ down[slot]) per row block; with a split K (tiles.dn.split > 1) the fp32
     partials y [split, M, D], whose sum is y."""
     fmt = layout.weight_format(experts)
@@ -364,7 +390,8 @@ def down(act_MF: jax.Array, slot_B: jax.Array, row_weight_M: jax.Array, experts:
     _check_offsets(act_MF, *w_arrays)
     nt = D // kt.bn
     kernel = functools.partial(_down_kernel, fmt=fmt, bm=tiles.bm, kt=kt, nb=nb, nt=nt,
-                               group=min(tiles.group, nb), mx_mode=_mode(tiles, interpret))
+                               group=min(tiles.group, nb), mx_mode=_mode(tiles, interpret),
+                               half_tail=tiles.half_tail)
     shape = (M, D) if kt.split == 1 else (kt.split, M, D)
     return pl.pallas_call(
         kernel,
@@ -373,7 +400,7 @@ def down(act_MF: jax.Array, slot_B: jax.Array, row_weight_M: jax.Array, experts:
         compiler_params=pltriton.CompilerParams(num_warps=kt.warps, num_stages=kt.stages),
         interpret=interpret,
         name=f"moe_down_{fmt}" + (f"_split{kt.split}" if kt.split > 1 else ""),
-    )(slot_B, row_weight_M, act_MF, *w_arrays)
+    )(slot_B, rows_B, row_weight_M, act_MF, *w_arrays)
 
 
 def experts_of(p: dict) -> tuple[dict, bool]:
@@ -394,6 +421,8 @@ def kernel_tiles(num_tokens: int, experts: dict, *, tiles: MoeTiles | None = Non
     tiles = tiles or pick_tiles(num_tokens, fmt, interpret=interpret)
     if tiles.mx_mode == "expand_asm" and layout.WIDE_SCALES in experts:
         tiles = tiles.replace(mx_mode="expand")  # scales the folded bf16 scale cannot hold (layout.py)
+    if tiles.half_tail and tiles.bm < 32 and not interpret:
+        tiles = tiles.replace(half_tail=False)  # a half block under 16 rows is below Triton's smallest dot
     return fit_tiles(tiles, d_model, d_ff, fmt)
 
 
@@ -410,9 +439,9 @@ def routed_experts_pallas(h_TD: jax.Array, idx_TK: jax.Array, w_TK: jax.Array, e
         raise ValueError(f"no MoE tile fits these expert shapes ({fmt}); use the reference")
     lay = sort_and_pad(idx_TK, w_TK, num_slots=layout.num_slots(experts), shared_slot=shared_slot, bm=tiles.bm,
                        routed_scaling=routed_scaling, method=layout_method)
-    act_MF = gate_up(h_TD, lay.row_token_M, lay.slot_B, experts, tiles, alpha=alpha, limit=limit,
+    act_MF = gate_up(h_TD, lay.row_token_M, lay.slot_B, lay.rows_B, experts, tiles, alpha=alpha, limit=limit,
                      interpret=interpret)
-    y_MD = down(act_MF, lay.slot_B, lay.row_weight_M, experts, tiles, interpret=interpret)
+    y_MD = down(act_MF, lay.slot_B, lay.rows_B, lay.row_weight_M, experts, tiles, interpret=interpret)
     # Each token's k (+1) rows (and split-K partials), gathered and summed in fp32: rows are owned by one
     # program each, so the combine needs no atomics and is deterministic.
     if y_MD.ndim == 3:

@@ -57,6 +57,7 @@ class MoeTiles:
     dn: KernelTiles
     group: int
     mx_mode: str = "expand"
+    half_tail: bool = False  # blocks holding <= bm // 2 pairs compute bm // 2 rows (kernel._for_used_block)
 
     def replace(self, **kw: object) -> MoeTiles:
         return dataclasses.replace(self, **kw)  # type: ignore[arg-type]

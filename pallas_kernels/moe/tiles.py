@@ -20,6 +20,8 @@ Keys of `MoeTiles` (per kernel: `gu` = gate+up GEMM with the SwiGLU-OAI epilogue
   warps / stages   Triton's num_warps / num_stages.
   split   programs per output tile, each over 1/split of K (kernel.py; single-token MXFP8 down uses 2).
   group   row blocks that run N-tile by N-tile together before the next group (L2 reuse, see above).
+  half_tail  a block holding at most bm / 2 pairs (most slots' last block) computes bm / 2 rows: half the MMA
+          work and x reads for the same weight tiles (kernel._for_used_block). Needs bm >= 32 on the GPU.
   mx_mode "expand": dequantise a whole [bk, bn] weight tile (scale broadcast over 32 K rows) before one dot;
           "subdot": one dot per 32-row scale block, scaling its [bm, bn] result (no in-kernel reshape).
           "expand_asm" (MXFP8, the table's mode): e4m3 pairs widened by inline PTX bit moves (three integer
@@ -85,10 +87,14 @@ GPU_TABLE: dict[tuple[str, str], MoeTiles] = {
     # of 11 tile sets this one is best at T = 8 and 32 on the new widening too.
     ("decode", "mxfp8"): MoeTiles("decode", bm=16, gu=_K(bn=64, bk=128, warps=8, stages=3),
                                   dn=_K(bn=128, bk=128, warps=8, stages=3), group=1, mx_mode="expand_asm"),
+    # Half-height tail blocks (half_tail): T = 2048, same run, bf16 5.13 against 5.55 ms (kernel-busy 5.01 against
+    # 5.30), MXFP8 13.44 against 15.59 ms (benchmarks/results/moe-h200-half-tail.json). Not yet measured for the
+    # 32-row MXFP4 blocks or at prefill sizes (that A/B ran out of memory on the reference check), so off there.
     ("mid", "dense"): MoeTiles("mid", bm=64, gu=_K(bn=64, bk=128, warps=4, stages=4),
-                               dn=_K(bn=128, bk=128, warps=4, stages=4), group=8),
+                               dn=_K(bn=128, bk=128, warps=4, stages=4), group=8, half_tail=True),
     ("mid", "mxfp8"): MoeTiles("mid", bm=64, gu=_K(bn=64, bk=128, warps=4, stages=4),
-                               dn=_K(bn=128, bk=128, warps=4, stages=4), group=8, mx_mode="expand_asm"),
+                               dn=_K(bn=128, bk=128, warps=4, stages=4), group=8, mx_mode="expand_asm",
+                               half_tail=True),
     # The 64-row MXFP4 down kernel spills at 4 warps; 32 rows do not.
     ("mid", "mxfp4"): MoeTiles("mid", bm=32, gu=_K(bn=64, bk=128, warps=4, stages=4),
                                dn=_K(bn=128, bk=128, warps=4, stages=4), group=8),

@@ -15,7 +15,8 @@ Kernel grid: one axis of (row block x N tile) programs. Each program reads its r
 tiles (bf16, or MX bytes widened in registers), and writes only its own [bm, bn] output tile, so no two
 programs touch the same rows (gpu.md's race trap). Program ids run row blocks fastest within groups of
 `group` blocks, then N tiles: the programs in flight share weight tiles (blocks of one expert) and x tiles
-(prefill), so repeats hit L2.
+(prefill), so repeats hit L2. With `MoeTiles.half_tail`, a block holding at most bm / 2 pairs (`rows_B`) runs
+a half-height dot over its first bm / 2 rows and leaves the padding rows below them unwritten.
 
 Split K (`KernelTiles.split` > 1, for calls with too few output tiles to fill the GPU): `split` neighbouring
 programs share one output tile, each over 1/split of K. down then writes fp32 partials [split, M, D] that the

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.devicewarm import gpu_state, warm_up_device
-from benchmarks.timing import device_profile, fresh_like, in_graph_time
+from benchmarks.timing import IN_GRAPH_COPIES, device_profile, fresh_like, in_graph_time
 from pallas_kernels.attention import dispatch, tuning
 from pallas_kernels.attention import kernel as attn_kernel
 from pallas_kernels.attention import reference as attn_ref
@@ -120,9 +120,6 @@ def kernel_time(fn: Callable[..., Any], arg_sets: Sequence[tuple], small: bool) 
         msg = f"{type(e).__name__}: {str(e)[:1500]}"
         print(f"kernel failed: {msg}", flush=True)
         return None, msg
-
-
-IN_GRAPH_COPIES = 16
 
 
 def device_timings(fn: Callable[..., Any], arg_sets: Sequence[tuple], small: bool, floor_s: float) -> dict:

@@ -34,14 +34,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.devicewarm import gpu_state, warm_up_device
-from benchmarks.timing import device_profile, fresh_like, in_graph_time
+from benchmarks.timing import IN_GRAPH_COPIES, device_profile, fresh_like, in_graph_time
 from pallas_kernels.moe import kernel, layout, reference
 from pallas_kernels.moe.tiles import INTERPRET_TILES, KernelTiles, MoeTiles, pick_tiles, regime
 
 FORMATS = {"bf16": "dense", "mxfp8": "mxfp8", "mxfp4": "mxfp4"}
 SCALING, ALPHA, LIMIT = 2.0, 1.702, 7.0
 T0 = time.perf_counter()
-IN_GRAPH_COPIES = 16
 
 
 def candidates(T: int, fmt: str) -> list[MoeTiles]:
@@ -381,9 +380,7 @@ def main() -> None:
         act = kernel.gate_up(x_MD, jnp.arange(x_MD.shape[0], dtype=jnp.int32), lay.slot_B, lay.rows_B, experts,
                              tiles, alpha=ALPHA, limit=LIMIT, interpret=args.interpret)
         y = kernel.down(act, lay.slot_B, lay.rows_B, lay.row_weight_M, experts, tiles, interpret=args.interpret)
-        if y.ndim == 3:
-            return jnp.sum(y[:, lay.dest_TJ], axis=(0, 2))
-        return jnp.sum(y[lay.dest_TJ].astype(jnp.float32), axis=1)
+        return kernel.combine(y, lay.dest_TJ)
 
     for T in [t for t in args.tokens if t in args.gather_ab_tokens]:
         for name in [f for f in args.formats if f not in args.skip_main]:

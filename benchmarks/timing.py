@@ -1,10 +1,12 @@
-"""Device time of an op inside one jitted program, the way a serving step runs it.
+"""The GPU benchmarks' two device-side timings, beside their back-to-back Python calls (docs/benchmarks.md, top).
 
-The benchmarks' main timing calls the jitted op back to back from Python, which measures the device only while
-the host enqueues faster than the device runs. For ops of tens of microseconds the two are close, and a slower or
-busier host CPU on one loan shows up as a slower kernel. Here `copies` calls of the op, each on its own inputs (so
-XLA cannot merge them), are one jitted program: one dispatch for all of them, as in a decode step where the op
-sits among the layers' other work.
+- `in_graph_time`: `IN_GRAPH_COPIES` calls of the op, each on its own inputs (so XLA cannot merge them), in one
+  jitted program, the way an op sits among a model step's other work. One dispatch for all of them, but each
+  op's kernels are still launched one by one: on the H200 this came out slower than the Python loop for ops of
+  50-100 us.
+- `device_profile`: the GPU's own trace (jax.profiler / CUPTI) of back-to-back calls: the kernels' summed
+  durations per call and the top kernels by name. Host dispatch and launch gaps do not count, so this is the
+  kernel's time, and it held to 1-3% across machines where the wall time spread by 1.5x.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+
+IN_GRAPH_COPIES = 16  # copies per jitted program in the benchmarks' in-graph timing
 
 
 def in_graph_time(fn: Callable[..., Any], copy_args: Sequence[tuple], *, shared: tuple = (), samples: int = 15,

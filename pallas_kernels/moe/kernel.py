@@ -225,7 +225,7 @@ def _mac(acc: jax.Array, x_ref, rows: pl.Slice | jax.Array, k0: jax.Array, w_ref
     return acc
 
 
-def _for_used_block(slot: jax.Array, rows: jax.Array, bm: int, half_tail: bool, body) -> None:
+def _for_used_block(slot: jax.Array, rows_ref, b: jax.Array, bm: int, half_tail: bool, body) -> None:
     """body(m) for a used row block, m = the rows it computes: bm, or bm // 2 for a block holding no more pairs
     than that (`MoeTiles.half_tail`: a slot's last block is half padding on average, and a half-height dot skips
     that half's MMA work and x reads while reading the same weight tiles). The rows past m stay unwritten: they
@@ -233,7 +233,7 @@ def _for_used_block(slot: jax.Array, rows: jax.Array, bm: int, half_tail: bool, 
     if not half_tail:
         pl.when(slot >= 0)(lambda: body(bm))
         return
-    few = rows <= bm // 2
+    few = rows_ref[b] <= bm // 2
     pl.when((slot >= 0) & jnp.logical_not(few))(lambda: body(bm))
     pl.when((slot >= 0) & few)(lambda: body(bm // 2))
 
@@ -272,7 +272,7 @@ def _gate_up_kernel(slot_ref, rows_ref, token_ref, x_ref, *refs, n_w: int, fmt: 
             _last_split_sums(refs[-2], refs[-1], gate, up, b * nt + j, ks, rows, cols, epilogue, split=kt.split,
                              interpret=interpret)
 
-    _for_used_block(slot, rows_ref[b], bm, half_tail, block)
+    _for_used_block(slot, rows_ref, b, bm, half_tail, block)
 
 
 def _last_split_sums(part_ref, count_ref, gate, up, tile, ks, rows, cols, epilogue, *, split: int,
@@ -320,7 +320,7 @@ def _down_kernel(slot_ref, rows_ref, rw_ref, a_ref, *refs, fmt: str, bm: int, kt
         else:  # fp32 partials [split, M, D], summed by the combine
             o_ref[ks, pl.ds(row0, m), pl.ds(n0, kt.bn)] = y
 
-    _for_used_block(slot, rows_ref[b], bm, half_tail, block)
+    _for_used_block(slot, rows_ref, b, bm, half_tail, block)
 
 
 def _mode(tiles: MoeTiles, interpret: bool) -> str:
@@ -443,11 +443,16 @@ def routed_experts_pallas(h_TD: jax.Array, idx_TK: jax.Array, w_TK: jax.Array, e
     act_MF = gate_up(h_TD, lay.row_token_M, lay.slot_B, lay.rows_B, experts, tiles, alpha=alpha, limit=limit,
                      interpret=interpret)
     y_MD = down(act_MF, lay.slot_B, lay.rows_B, lay.row_weight_M, experts, tiles, interpret=interpret)
-    # Each token's k (+1) rows (and split-K partials), gathered and summed in fp32: rows are owned by one
-    # program each, so the combine needs no atomics and is deterministic.
+    return combine(y_MD, lay.dest_TJ)
+
+
+def combine(y_MD: jax.Array, dest_TJ: jax.Array) -> jax.Array:
+    """fp32 [T, D]: each token's k (+1) rows of down's output (or of its split-K partials [split, M, D]),
+    gathered and summed in fp32. Rows are owned by one program each, so this needs no atomics and is
+    deterministic."""
     if y_MD.ndim == 3:
-        return jnp.sum(y_MD[:, lay.dest_TJ], axis=(0, 2))
-    return jnp.sum(y_MD[lay.dest_TJ].astype(jnp.float32), axis=1)
+        return jnp.sum(y_MD[:, dest_TJ], axis=(0, 2))
+    return jnp.sum(y_MD[dest_TJ].astype(jnp.float32), axis=1)
 
 
 def moe_pallas(h_TD: jax.Array, p: dict, *, top_k: int, routed_scaling: float, alpha: float, limit: float,

@@ -474,11 +474,23 @@ def _fmt(t: IndexTiles | AttentionTiles) -> str:
 
 
 VARIANTS = "tune"  # "tune": the sets the table was chosen from (and the KV-layout experiment); "final": the fused
-#                    index top-k and page-stream variants at decode; "depth": pipeline depths; "none"
+#                    index top-k and page-stream variants at decode; "depth": pipeline depths; "prefill": the 8k
+#                    chunk's tiles; "none"
 
 
 def _index_variants(kind: str, context: int, base: IndexTiles) -> list[IndexTiles]:
     r = dataclasses.replace
+    if VARIANTS == "prefill":
+        # Prefill scoring reads each index-K page from L2 once per query block: more rows per block (M = bt * 4)
+        # means fewer page reads; one or two page splits let the top-k run inside the kernel.
+        if kind != "prefill":
+            return []
+        t = IndexTiles
+        return [t(bt=32, bp=8, num_warps=8), t(bt=32, bp=32, num_warps=8, topk="fused"),
+                t(bt=32, bp=64, num_warps=8, topk="fused"), t(bt=16, bp=8, topk="fused"),
+                t(bt=64, bp=32, num_warps=8, key_tile=64, topk="fused"),
+                t(bt=64, bp=16, num_warps=8, num_stages=2, key_tile=64, topk="fused"),
+                t(bt=32, bp=16, num_warps=4, key_tile=64, topk="fused")]
     if VARIANTS == "final":
         # The top-k inside the scoring kernel (no second launch) or as a second launch, and longer page streams
         # per program. (8 or 2 rows per top-k program were timed too, attention-h200-final.json: no better;
@@ -500,6 +512,11 @@ def _index_variants(kind: str, context: int, base: IndexTiles) -> list[IndexTile
 
 def _sparse_variants(kind: str, context: int, base: AttentionTiles) -> list[AttentionTiles]:
     r = dataclasses.replace
+    if VARIANTS == "prefill":
+        if kind != "prefill":
+            return []
+        return [r(base, bt=2, pages_per_split=32), r(base, bt=8, pages_per_split=128, num_warps=8),
+                AttentionTiles(bt=1, pages_per_split=16, key_tile=64)]
     if VARIANTS == "final":
         return []
     if VARIANTS == "depth":
@@ -522,6 +539,11 @@ def _sparse_variants(kind: str, context: int, base: AttentionTiles) -> list[Atte
 
 def _dense_variants(kind: str, context: int, base: AttentionTiles, P: int) -> list[AttentionTiles]:
     r = dataclasses.replace
+    if VARIANTS == "prefill":
+        if kind != "prefill":
+            return []
+        return [r(base, key_tile=64), r(base, num_stages=3, key_tile=64), r(base, bt=16, key_tile=64),
+                r(base, bt=4, num_warps=4, num_stages=3)]
     if VARIANTS != "tune":
         return []
     if kind == "decode":
@@ -652,9 +674,10 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--contexts", default="8192,32768,131072")
     ap.add_argument("--prefill", type=int, default=8192)
-    ap.add_argument("--variants", choices=("tune", "final", "depth", "none"), default="tune",
+    ap.add_argument("--variants", choices=("tune", "final", "depth", "prefill", "none"), default="tune",
                     help="tune: the tile sets the table was chosen from, and the KV-layout experiment; final: "
-                         "the fused index top-k and page streams at decode; depth: pipeline-depth variants")
+                         "the fused index top-k and page streams at decode; depth: pipeline-depth variants; "
+                         "prefill: the 8k chunk's tile variants")
     ap.add_argument("--budget-s", type=float, default=200.0, help="skip tile variants after this many seconds")
     ap.add_argument("--warm-up-s", type=float, default=5.0, help="seconds of matmuls before the first timing")
     ap.add_argument("--render", metavar="JSON", help="print the markdown table of a results file and exit")

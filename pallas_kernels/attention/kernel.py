@@ -8,9 +8,13 @@ read from HBM serves all of them. The program walks a list of pages with an onli
 - sparse: the KV group's selected logical blocks (`page_list`), masked per token by its own selection when the
   block holds several tokens.
 
-Token-exact causal masking everywhere (key position <= the token's position), so the partial local page and
-prefill chunks need no special case. Long page lists are split across programs (flash-decoding); the partial
-(acc, max, sum) of the splits are merged in jnp. A row that sees no key returns zeros, as the reference does.
+Token-exact causal masking (key position <= the token's position), so the partial local page and prefill chunks
+need no special case; dense programs skip the mask on the leading pages that every row of the block sees whole
+(all but one or two pages of a prefill block). The softmax runs in base 2 with the scale folded into one fused
+multiply-add per score (p = 2^(c s - c m), c = scale * log2 e): one MUFU.EX2 where `exp` costs about eight
+instructions, which is most of the prefill loop's issue slots. Long page lists are split across programs
+(flash-decoding); the partial (acc, max, sum) of the splits are merged in jnp. A row that sees no key returns
+zeros, as the reference does.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from pallas_kernels.attention.tuning import AttentionTiles
 # Finite start for the running max: exp(M_INIT - m) underflows to 0 for any real score, and a fully masked
 # page keeps m = M_INIT with p = exp(-inf) = 0 instead of producing exp(-inf - -inf) = NaN.
 M_INIT = -1e30
+LOG2E = 1.4426950408889634
 
 
 def _attention_kernel(start_ref, length_ref, row_ref, max_pos_ref, count_ref, page_table_ref, pos_ref, q_ref,
@@ -74,13 +79,13 @@ def _attention_kernel(start_ref, length_ref, row_ref, max_pos_ref, count_ref, pa
     col_E = lax.broadcasted_iota(jnp.int32, (per_split,), 0)
 
     steps = ps // kt  # key tiles per page: a smaller tile halves the shared memory of each pipeline stage
+    c = scale * LOG2E  # the running max m stays in raw score units; p = 2^(c s - c m)
 
-    def body(u, carry):
+    def body(u, carry, masked: bool):
         acc_MD, m_M, l_M = carry
         here_E = col_E == u // steps - lo
         blk = jnp.sum(jnp.where(here_E, blk_E, 0))
         page = jnp.sum(jnp.where(here_E, page_E, 0))
-        valid = jnp.max(jnp.where(here_E & valid_E, 1, 0)) > 0
         k0 = (u % steps) * kt
         if heads_major:  # [pages, K, page_size, hd]: a (page, group) tile is one contiguous block
             k_SD = k_ref[page, g, pl.ds(k0, kt), :]
@@ -88,23 +93,34 @@ def _attention_kernel(start_ref, length_ref, row_ref, max_pos_ref, count_ref, pa
         else:  # KVPages' [pages, page_size, K, hd]: page_size rows of hd, K * hd apart
             k_SD = k_ref[page, pl.ds(k0, kt), g, :]
             v_SD = v_ref[page, pl.ds(k0, kt), g, :]
-        s_MS = lax.dot_general(q_MD, k_SD, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
-        kpos_S = blk * ps + k0 + lax.broadcasted_iota(jnp.int32, (kt,), 0)
-        mask_MS = (kpos_S[None, :] <= pos_M[:, None]) & valid
-        if per_token_check:
-            mine_B = jnp.max(jnp.where(sel_BN == blk, 1, 0), axis=1) > 0
-            mask_MS = mask_MS & jnp.broadcast_to(mine_B[:, None], (bt, hg)).reshape(M)[:, None]
-        s_MS = jnp.where(mask_MS, s_MS, -jnp.inf)
+        s_MS = lax.dot_general(q_MD, k_SD, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        if masked:
+            valid = jnp.max(jnp.where(here_E & valid_E, 1, 0)) > 0
+            kpos_S = blk * ps + k0 + lax.broadcasted_iota(jnp.int32, (kt,), 0)
+            mask_MS = (kpos_S[None, :] <= pos_M[:, None]) & valid
+            if per_token_check:
+                mine_B = jnp.max(jnp.where(sel_BN == blk, 1, 0), axis=1) > 0
+                mask_MS = mask_MS & jnp.broadcast_to(mine_B[:, None], (bt, hg)).reshape(M)[:, None]
+            s_MS = jnp.where(mask_MS, s_MS, -jnp.inf)
         m_new = jnp.maximum(m_M, jnp.max(s_MS, axis=1))
-        alpha = jnp.exp(m_M - m_new)
-        p_MS = jnp.exp(s_MS - m_new[:, None])
+        alpha = jnp.exp2((m_M - m_new) * c)
+        p_MS = jnp.exp2(s_MS * c - (m_new * c)[:, None])
         l_new = l_M * alpha + jnp.sum(p_MS, axis=1)
         acc_new = acc_MD * alpha[:, None] + jnp.dot(p_MS.astype(v_SD.dtype), v_SD,
                                                      preferred_element_type=jnp.float32)
         return acc_new, m_new, l_new
 
     init = (jnp.zeros((M, D), jnp.float32), jnp.full((M,), M_INIT, jnp.float32), jnp.zeros((M,), jnp.float32))
-    acc_MD, m_M, l_M = lax.fori_loop(lo * steps, jnp.maximum(hi, lo) * steps, body, init)
+    end = jnp.maximum(hi, lo)
+    if sparse:  # selections come in any order: every page is checked
+        whole = lo
+    else:
+        # Pages 0 .. whole-1 lie entirely at or before the block's first position: every row sees all their keys.
+        min_pos = jnp.min(jnp.where(tok_ok_B, pos_B, jnp.iinfo(jnp.int32).max))
+        whole = jnp.clip((min_pos + 1) // ps, lo, end)
+    carry = lax.fori_loop(lo * steps, whole * steps, functools.partial(body, masked=False), init)
+    acc_MD, m_M, l_M = lax.fori_loop(whole * steps, end * steps, functools.partial(body, masked=True), carry)
+    m_M = m_M * scale  # natural-log units for the split merge (exp(m_split - m)), as l and acc are
 
     out_mask_BHD = jnp.broadcast_to(tok_ok_B[:, None, None], (bt, hg, D))
     if num_splits == 1:

@@ -43,6 +43,10 @@ SCALING, ALPHA, LIMIT = 2.0, 1.702, 7.0
 T0 = time.perf_counter()
 
 
+def _tails(tiles: MoeTiles) -> str:
+    return "t" + ",".join(map(str, tiles.tail_heights)) if tiles.tail_heights else ""
+
+
 def candidates(T: int, fmt: str) -> list[MoeTiles]:
     """Tile candidates to sweep besides the table's entry (all spill-free in an offline sm_90 build)."""
     k = KernelTiles
@@ -58,8 +62,11 @@ def candidates(T: int, fmt: str) -> list[MoeTiles]:
         out += [base.replace(dn=dataclasses.replace(base.dn, bn=64, split=d)) for d in (1, 2)]
         out.append(base.replace(gu=dataclasses.replace(base.gu, split=1), dn=dataclasses.replace(base.dn, split=1)))
     if reg != "decode" and base.bm >= 32:
-        # Half-height tail blocks (kernel._for_used_block) on or off: first, so --sweep-first 1 is that A/B.
-        out.append(base.replace(half_tail=not base.half_tail))
+        # Short tail blocks (kernel._for_used_block): off or halves, then halves and quarters; first, so
+        # --sweep-first 2 is that A/B/C.
+        half, quarters = (base.bm // 2,), (base.bm // 4, base.bm // 2)
+        out += [base.replace(tail_heights=h) for h in ((() if base.tail_heights else half), quarters)
+                if h != base.tail_heights]
     if fmt != "dense" and base.mx_mode == "expand":
         out.append(base.replace(mx_mode="subdot") if reg != "prefill" else None)
     if reg == "decode" and fmt != "dense":
@@ -287,7 +294,7 @@ def main() -> None:
         def kt(t: KernelTiles) -> str:
             return f"{t.bn}/{t.bk}/{t.warps}/{t.stages}" + (f"/s{t.split}" if t.split > 1 else "")
 
-        log(f"{op:12s} T={T:5d} {fmt:6s} bm={tiles.bm:3d}{'h' if tiles.half_tail else ''} gu={kt(tiles.gu)} "
+        log(f"{op:12s} T={T:5d} {fmt:6s} bm={tiles.bm:3d}{_tails(tiles)} gu={kt(tiles.gu)} "
             f"dn={kt(tiles.dn)} g={tiles.group} "
             f"{tiles.mx_mode:6s} {layout_method or '':7s} time={rec.get('time_s', 0) * 1e3:8.3f}ms "
             f"ratio={rec.get('ratio', 0):5.2f} "
@@ -423,7 +430,7 @@ def main() -> None:
                 log("deadline: stopping the sweep")
                 break
             # The reference check at T = 8192 needs ~48 GB beside two formats' weights (out of memory in the
-            # half_tail A/B run): larger sweeps time only; the main table checked these inputs.
+            # tail-height A/B run): larger sweeps time only; the main table checked these inputs.
             rp = rp_by_fmt.get(name) if args.sweep_check_max_tokens >= T else None
             measure(T, name, experts_by_fmt[name], rp, c, ref_times.get(T), "moe_sweep")
     save()

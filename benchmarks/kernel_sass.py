@@ -273,8 +273,8 @@ def main() -> None:
     ap.add_argument("--capability", type=int, default=90)
     ap.add_argument("--clock-ghz", type=float, default=1.98, help="SM clock for the issue ceiling (H200 boost)")
     ap.add_argument("--sms", type=int, default=132)
-    ap.add_argument("--half-tail", choices=["table", "on", "off"], default="table",
-                    help="MoeTiles.half_tail (half-height tail blocks; default: the table's)")
+    ap.add_argument("--tail-heights", default="table",
+                    help="MoeTiles.tail_heights: 'table', 'none' or rows like '32,64' (short tail blocks)")
     ap.add_argument("--dump", help="keep ttir / ttgir / ptx / sass here")
     ap.add_argument("--ops", action="store_true", help="also print the full opcode histogram of the loop")
     a = ap.parse_args()
@@ -282,8 +282,9 @@ def main() -> None:
     tiles = pick_tiles(a.tokens, fmt)
     tiles = tiles.replace(gu=parse_tiles(a.gu, tiles.gu), dn=parse_tiles(a.dn, tiles.dn),
                           mx_mode=a.mx_mode or tiles.mx_mode)
-    if a.half_tail != "table":
-        tiles = tiles.replace(half_tail=a.half_tail == "on")
+    if a.tail_heights != "table":
+        tiles = tiles.replace(tail_heights=() if a.tail_heights == "none"
+                              else tuple(int(h) for h in a.tail_heights.split(",")))
     for which in (["gate_up", "down"] if a.kernel == "both" else [a.kernel]):
         text, settings = lower_ttir(which, fmt, tiles, a.tokens)
         with tempfile.TemporaryDirectory() as tmp:

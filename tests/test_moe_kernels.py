@@ -214,17 +214,18 @@ def test_split_k_equals_reference(fmt: str, bk: int, split: int) -> None:
                                                                                 **KW)))
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "mxfp8"])
-def test_half_height_tail_blocks_equal_reference(fmt: str) -> None:
-    """Blocks holding at most half a block of pairs compute half the rows (MoeTiles.half_tail): 32-row blocks,
-    57 tokens with a hot and an empty expert, so there are full blocks, tails of <= 16 pairs and tails of more."""
+@pytest.mark.parametrize("fmt,heights", [("bf16", (16,)), ("mxfp8", (16,)), ("bf16", (8, 16)), ("mxfp8", (8, 16))])
+def test_short_tail_blocks_equal_reference(fmt: str, heights: tuple[int, ...]) -> None:
+    """Blocks holding few pairs compute fewer rows (MoeTiles.tail_heights): 32-row blocks, 57 tokens with a hot
+    and an empty expert, so there are full blocks, tails of <= 8, of 9-16 and of more pairs."""
     p = prepare_moe(moe_params(13, bias=bias_with(hot=[4], cold=[6])), fmt, keep_reference=False)
     h = hidden(14, 57)
-    tiles = INTERPRET_TILES.replace(bm=32, half_tail=True)
+    tiles = INTERPRET_TILES.replace(bm=32, tail_heights=heights)
     idx, w = reference.route(h, p["router"], p["router_bias"], TOP_K)
     rows = np.asarray(kernel.sort_and_pad(idx, w, num_slots=E + 1, shared_slot=True, bm=32,
                                           routed_scaling=KW["routed_scaling"]).rows_B)
-    assert np.any(rows == 32) and np.any((rows > 0) & (rows <= 16)) and np.any((rows > 16) & (rows < 32))
+    assert np.any(rows == 32) and np.any((rows > 16) & (rows < 32))
+    assert np.any((rows > 0) & (rows <= 8)) and np.any((rows > 8) & (rows <= 16))
     want = reference.moe(h, layout.reference_params(p, jnp.float32), **KW)
     got = kernel.moe_pallas(h, p, interpret=True, tiles=tiles, **KW)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5 * float(jnp.abs(want).max()))

@@ -15,8 +15,8 @@ Kernel grid: one axis of (row block x N tile) programs. Each program reads its r
 tiles (bf16, or MX bytes widened in registers), and writes only its own [bm, bn] output tile, so no two
 programs touch the same rows (gpu.md's race trap). Program ids run row blocks fastest within groups of
 `group` blocks, then N tiles: the programs in flight share weight tiles (blocks of one expert) and x tiles
-(prefill), so repeats hit L2. With `MoeTiles.half_tail`, a block holding at most bm / 2 pairs (`rows_B`) runs
-a half-height dot over its first bm / 2 rows and leaves the padding rows below them unwritten.
+(prefill), so repeats hit L2. With `MoeTiles.tail_heights` (e.g. (32, 64) at bm = 128), a block holding at most h
+pairs (`rows_B`) runs an h-row dot over its first h rows and leaves the padding rows below them unwritten.
 
 Split K (`KernelTiles.split` > 1, for calls with too few output tiles to fill the GPU): `split` neighbouring
 programs share one output tile, each over 1/split of K. down then writes fp32 partials [split, M, D] that the
@@ -225,22 +225,24 @@ def _mac(acc: jax.Array, x_ref, rows: pl.Slice | jax.Array, k0: jax.Array, w_ref
     return acc
 
 
-def _for_used_block(slot: jax.Array, rows_ref, b: jax.Array, bm: int, half_tail: bool, body) -> None:
-    """body(m) for a used row block, m = the rows it computes: bm, or bm // 2 for a block holding no more pairs
-    than that (`MoeTiles.half_tail`: a slot's last block is half padding on average, and a half-height dot skips
-    that half's MMA work and x reads while reading the same weight tiles). The rows past m stay unwritten: they
-    are padding, which nothing reads back (down reads the same m rows, the combine only real rows)."""
-    if not half_tail:
+def _for_used_block(slot: jax.Array, rows_ref, b: jax.Array, bm: int, heights: tuple[int, ...], body) -> None:
+    """body(m) for a used row block, m = the rows it computes: the smallest of `heights` (ascending, each < bm)
+    that holds the block's pairs, else bm (`MoeTiles.tail_heights`: a slot's last block is half padding on
+    average, and a shorter dot skips the padding's MMA work and x reads while reading the same weight tiles).
+    The rows past m stay unwritten: they are padding, which nothing reads back (down reads the same m rows, the
+    combine only real rows)."""
+    if not heights:
         pl.when(slot >= 0)(lambda: body(bm))
         return
-    few = rows_ref[b] <= bm // 2
-    pl.when((slot >= 0) & jnp.logical_not(few))(lambda: body(bm))
-    pl.when((slot >= 0) & few)(lambda: body(bm // 2))
+    n, lo = rows_ref[b], 0
+    for h in (*heights, bm):
+        pl.when((slot >= 0) & (n > lo) & (n <= h))(functools.partial(body, h))
+        lo = h
 
 
 def _gate_up_kernel(slot_ref, rows_ref, token_ref, x_ref, *refs, n_w: int, fmt: str, bm: int, kt: KernelTiles,
-                    nb: int, nt: int, group: int, mx_mode: str, half_tail: bool, alpha: float, limit: float,
-                    interpret: bool):
+                    nb: int, nt: int, group: int, mx_mode: str, tail_heights: tuple[int, ...], alpha: float,
+                    limit: float, interpret: bool):
     g_refs, u_refs = refs[:n_w], refs[n_w:2 * n_w]
     o_ref = refs[-1] if kt.split == 1 else refs[-3]  # (split-K: count in, act, partials, count out)
     b, j, ks = _block_and_tile(nb, nt, group, kt.split)
@@ -272,7 +274,7 @@ def _gate_up_kernel(slot_ref, rows_ref, token_ref, x_ref, *refs, n_w: int, fmt: 
             _last_split_sums(refs[-2], refs[-1], gate, up, b * nt + j, ks, rows, cols, epilogue, split=kt.split,
                              interpret=interpret)
 
-    _for_used_block(slot, rows_ref, b, bm, half_tail, block)
+    _for_used_block(slot, rows_ref, b, bm, tail_heights, block)
 
 
 def _last_split_sums(part_ref, count_ref, gate, up, tile, ks, rows, cols, epilogue, *, split: int,
@@ -298,7 +300,7 @@ def _last_split_sums(part_ref, count_ref, gate, up, tile, ks, rows, cols, epilog
 
 
 def _down_kernel(slot_ref, rows_ref, rw_ref, a_ref, *refs, fmt: str, bm: int, kt: KernelTiles, nb: int, nt: int,
-                 group: int, mx_mode: str, half_tail: bool):
+                 group: int, mx_mode: str, tail_heights: tuple[int, ...]):
     w_refs, o_ref = refs[:-1], refs[-1]
     b, j, ks = _block_and_tile(nb, nt, group, kt.split)
     slot = slot_ref[b]
@@ -320,7 +322,7 @@ def _down_kernel(slot_ref, rows_ref, rw_ref, a_ref, *refs, fmt: str, bm: int, kt
         else:  # fp32 partials [split, M, D], summed by the combine
             o_ref[ks, pl.ds(row0, m), pl.ds(n0, kt.bn)] = y
 
-    _for_used_block(slot, rows_ref, b, bm, half_tail, block)
+    _for_used_block(slot, rows_ref, b, bm, tail_heights, block)
 
 
 def _mode(tiles: MoeTiles, interpret: bool) -> str:
@@ -346,7 +348,7 @@ def _check_tiles(bm: int, kt: KernelTiles, k: int, n: int, fmt: str) -> None:
 def gate_up(h_TD: jax.Array, row_token_M: jax.Array, slot_B: jax.Array, rows_B: jax.Array, experts: dict,
             tiles: MoeTiles, *, alpha: float, limit: float, interpret: bool = False) -> jax.Array:
     """act [M, F] = SwiGLU-OAI(x @ gate[slot], x @ up[slot]) per row block, x = h[row_token] (gathered in the
-    kernel). Padding rows are garbage where tiles.half_tail leaves them unwritten."""
+    kernel). Padding rows are garbage where tiles.tail_heights leave them unwritten."""
     fmt = layout.weight_format(experts)
     g_arrays, u_arrays = layout.weight_arrays(experts, "gate"), layout.weight_arrays(experts, "up")
     M, D = row_token_M.shape[0], h_TD.shape[1]
@@ -357,7 +359,7 @@ def gate_up(h_TD: jax.Array, row_token_M: jax.Array, slot_B: jax.Array, rows_B: 
     nt = F // kt.bn
     kernel = functools.partial(_gate_up_kernel, n_w=len(g_arrays), fmt=fmt, bm=tiles.bm, kt=kt, nb=nb, nt=nt,
                                group=min(tiles.group, nb), mx_mode=_mode(tiles, interpret),
-                               half_tail=tiles.half_tail, alpha=alpha, limit=limit, interpret=interpret)
+                               tail_heights=tiles.tail_heights, alpha=alpha, limit=limit, interpret=interpret)
     args = (slot_B, rows_B, row_token_M.astype(jnp.int32), h_TD, *g_arrays, *u_arrays)
     out_shape = jax.ShapeDtypeStruct((M, F), h_TD.dtype)
     extra = {}
@@ -392,7 +394,7 @@ def down(act_MF: jax.Array, slot_B: jax.Array, rows_B: jax.Array, row_weight_M: 
     nt = D // kt.bn
     kernel = functools.partial(_down_kernel, fmt=fmt, bm=tiles.bm, kt=kt, nb=nb, nt=nt,
                                group=min(tiles.group, nb), mx_mode=_mode(tiles, interpret),
-                               half_tail=tiles.half_tail)
+                               tail_heights=tiles.tail_heights)
     shape = (M, D) if kt.split == 1 else (kt.split, M, D)
     return pl.pallas_call(
         kernel,
@@ -422,8 +424,8 @@ def kernel_tiles(num_tokens: int, experts: dict, *, tiles: MoeTiles | None = Non
     tiles = tiles or pick_tiles(num_tokens, fmt, interpret=interpret)
     if tiles.mx_mode == "expand_asm" and layout.WIDE_SCALES in experts:
         tiles = tiles.replace(mx_mode="expand")  # scales the folded bf16 scale cannot hold (layout.py)
-    if tiles.half_tail and tiles.bm < 32 and not interpret:
-        tiles = tiles.replace(half_tail=False)  # a half block under 16 rows is below Triton's smallest dot
+    if not interpret:  # a dot under 16 rows is below Triton's smallest
+        tiles = tiles.replace(tail_heights=tuple(h for h in tiles.tail_heights if h >= 16))
     return fit_tiles(tiles, d_model, d_ff, fmt)
 
 

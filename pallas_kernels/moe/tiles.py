@@ -20,8 +20,10 @@ Keys of `MoeTiles` (per kernel: `gu` = gate+up GEMM with the SwiGLU-OAI epilogue
   warps / stages   Triton's num_warps / num_stages.
   split   programs per output tile, each over 1/split of K (kernel.py; single-token MXFP8 down uses 2).
   group   row blocks that run N-tile by N-tile together before the next group (L2 reuse, see above).
-  half_tail  a block holding at most bm / 2 pairs (most slots' last block) computes bm / 2 rows: half the MMA
-          work and x reads for the same weight tiles (kernel._for_used_block). Needs bm >= 32 on the GPU.
+  tail_heights  shorter row heights for a slot's last block, ascending powers of two under bm: a block holding at
+          most h pairs computes h rows (the smallest such h), skipping the padding's MMA work and x reads for the
+          same weight tiles (kernel._for_used_block). (bm // 2,) halves; (bm // 4, bm // 2) quarters too. Heights
+          under 16 rows are dropped on the GPU (Triton's smallest dot).
   mx_mode "expand": dequantise a whole [bk, bn] weight tile (scale broadcast over 32 K rows) before one dot;
           "subdot": one dot per 32-row scale block, scaling its [bm, bn] result (no in-kernel reshape).
           "expand_asm" (MXFP8, the table's mode): e4m3 pairs widened by inline PTX bit moves (three integer
@@ -59,7 +61,11 @@ class MoeTiles:
     dn: KernelTiles
     group: int
     mx_mode: str = "expand"
-    half_tail: bool = False  # blocks holding <= bm // 2 pairs compute bm // 2 rows (kernel._for_used_block)
+    tail_heights: tuple[int, ...] = ()  # rows a short last block computes (kernel._for_used_block)
+
+    def __post_init__(self) -> None:
+        h = self.tail_heights
+        assert list(h) == sorted(set(h)) and all(0 < x < self.bm and x & (x - 1) == 0 for x in h), h
 
     def replace(self, **kw: object) -> MoeTiles:
         return dataclasses.replace(self, **kw)  # type: ignore[arg-type]
@@ -87,14 +93,14 @@ GPU_TABLE: dict[tuple[str, str], MoeTiles] = {
     # of 11 tile sets this one is best at T = 8 and 32 on the new widening too.
     ("decode", "mxfp8"): MoeTiles("decode", bm=16, gu=_K(bn=64, bk=128, warps=8, stages=3),
                                   dn=_K(bn=128, bk=128, warps=8, stages=3), group=1, mx_mode="expand_asm"),
-    # Half-height tail blocks (half_tail): T = 2048, same run, bf16 5.13 against 5.55 ms (kernel-busy 5.01 against
-    # 5.30), MXFP8 13.44 against 15.59 ms (benchmarks/results/moe-h200-half-tail.json). Not yet measured for the
-    # 32-row MXFP4 blocks or at prefill sizes (that A/B ran out of memory on the reference check), so off there.
+    # Half-height tail blocks (tail_heights=(32,)): T = 2048, same run, bf16 5.13 against 5.55 ms (kernel-busy 5.01
+    # against 5.30), MXFP8 13.44 against 15.59 ms (benchmarks/results/moe-h200-half-tail.json). Not measured for
+    # the 32-row MXFP4 blocks, so off there.
     ("mid", "dense"): MoeTiles("mid", bm=64, gu=_K(bn=64, bk=128, warps=4, stages=4),
-                               dn=_K(bn=128, bk=128, warps=4, stages=4), group=8, half_tail=True),
+                               dn=_K(bn=128, bk=128, warps=4, stages=4), group=8, tail_heights=(32,)),
     ("mid", "mxfp8"): MoeTiles("mid", bm=64, gu=_K(bn=64, bk=128, warps=4, stages=4),
                                dn=_K(bn=128, bk=128, warps=4, stages=4), group=8, mx_mode="expand_asm",
-                               half_tail=True),
+                               tail_heights=(32,)),
     # The 64-row MXFP4 down kernel spills at 4 warps; 32 rows do not.
     ("mid", "mxfp4"): MoeTiles("mid", bm=32, gu=_K(bn=64, bk=128, warps=4, stages=4),
                                dn=_K(bn=128, bk=128, warps=4, stages=4), group=8),
@@ -103,8 +109,10 @@ GPU_TABLE: dict[tuple[str, str], MoeTiles] = {
     # with a 128 x 128 down tile at 4 stages (benchmarks/results/moe-h200-explore.json). Groups of 4 row blocks
     # (was 16): 10.09 vs 10.37 ms and 9.83 vs 10.67 ms in two sweeps (moe-h200-8192-sweep*.json), but the same
     # tiles measure 9.8-10.7 ms across processes, so the gain is within that spread; 1, 2, 6, 8, 24, 32: slower.
+    # Half-height tail blocks: T = 8192, same process, kernel-busy 10.03 and 10.07 ms against 10.53 ms
+    # (benchmarks/results/moe-h200-half-tail-8192.json).
     ("prefill", "dense"): MoeTiles("prefill", bm=128, gu=_K(bn=128, bk=64, warps=8, stages=4),
-                                   dn=_K(bn=256, bk=64, warps=8, stages=3), group=4),
+                                   dn=_K(bn=256, bk=64, warps=8, stages=3), group=4, tail_heights=(64,)),
     # MX tiles are widened in registers before the MMA: narrower gate+up tiles keep that spill-free.
     ("prefill", "mxfp8"): MoeTiles("prefill", bm=128, gu=_K(bn=64, bk=128, warps=8, stages=4),
                                    dn=_K(bn=128, bk=128, warps=8, stages=4), group=16, mx_mode="expand_asm"),

@@ -113,13 +113,13 @@ def _attention_kernel(start_ref, length_ref, row_ref, max_pos_ref, count_ref, pa
     init = (jnp.zeros((M, D), jnp.float32), jnp.full((M,), M_INIT, jnp.float32), jnp.zeros((M,), jnp.float32))
     end = jnp.maximum(hi, lo)
     if sparse:  # selections come in any order: every page is checked
-        whole = lo
+        acc_MD, m_M, l_M = lax.fori_loop(lo * steps, end * steps, functools.partial(body, masked=True), init)
     else:
         # Pages 0 .. whole-1 lie entirely at or before the block's first position: every row sees all their keys.
         min_pos = jnp.min(jnp.where(tok_ok_B, pos_B, jnp.iinfo(jnp.int32).max))
         whole = jnp.clip((min_pos + 1) // ps, lo, end)
-    carry = lax.fori_loop(lo * steps, whole * steps, functools.partial(body, masked=False), init)
-    acc_MD, m_M, l_M = lax.fori_loop(whole * steps, end * steps, functools.partial(body, masked=True), carry)
+        carry = lax.fori_loop(lo * steps, whole * steps, functools.partial(body, masked=False), init)
+        acc_MD, m_M, l_M = lax.fori_loop(whole * steps, end * steps, functools.partial(body, masked=True), carry)
     m_M = m_M * scale  # natural-log units for the split merge (exp(m_split - m)), as l and acc are
 
     out_mask_BHD = jnp.broadcast_to(tok_ok_B[:, None, None], (bt, hg, D))

@@ -515,7 +515,9 @@ def _sparse_variants(kind: str, context: int, base: AttentionTiles) -> list[Atte
     if VARIANTS == "prefill":
         if kind != "prefill":
             return []
-        return [r(base, key_tile=None), r(base, num_stages=2)]
+        # KV-block-major (msa/block_major.py): each selected (token, block) pair computed once.
+        bm = AttentionTiles(bt=8, pages_per_split=16, num_warps=8, num_stages=1, block_major=True)
+        return [bm, r(bm, bt=4, num_warps=4), r(bm, num_warps=4), r(base, key_tile=None)]
     if VARIANTS == "final":
         return []
     if VARIANTS == "depth":

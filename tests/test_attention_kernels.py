@@ -19,6 +19,7 @@ from pallas_kernels.attention import reference as attn_ref
 from pallas_kernels.attention.kv_write import write_pages_pallas, write_pages_xla
 from pallas_kernels.attention.ragged import query_blocks
 from pallas_kernels.attention.tuning import AttentionTiles, IndexTiles
+from pallas_kernels.msa import block_major
 from pallas_kernels.msa import kernel as msa_kernel
 from pallas_kernels.msa import reference as msa_ref
 
@@ -134,8 +135,10 @@ def _selection(rng: np.random.Generator) -> jax.Array:
 
 
 @pytest.mark.parametrize("tiles", [AttentionTiles(bt=1, pages_per_split=2),
-                                   AttentionTiles(bt=4, pages_per_split=16, key_tile=4)],
-                         ids=["decode-tiles-split", "union-tiles-half-pages"])
+                                   AttentionTiles(bt=4, pages_per_split=16, key_tile=4),
+                                   AttentionTiles(bt=4, pages_per_split=16, block_major=True),
+                                   AttentionTiles(bt=2, pages_per_split=16, block_major=True)],
+                         ids=["decode-tiles-split", "union-tiles-half-pages", "block-major", "block-major-bt2"])
 def test_block_sparse_attention_equal_reference(tiles):
     rng = np.random.default_rng(3)
     blocks = np.array(_selection(rng))
@@ -214,3 +217,28 @@ def test_dispatch_env_override(monkeypatch):
     got_kv = dispatch.write_kv_pages(kp, q[:, :K], slots)  # interpret: the Pallas row store at any size
     np.testing.assert_array_equal(np.asarray(got_kv.reshape(-1, K, D)[slots[slots != 0]]),
                                   np.asarray(q[:, :K][np.asarray(slots) != 0]))
+
+
+def test_block_major_work_items_cover_each_selection_once():
+    """Every selected (token, group, slot) lands in exactly one work item, whose tokens all chose that item's
+    block of their own request and group; items hold at most bt tokens, in ascending token order."""
+    rng = np.random.default_rng(5)
+    blocks = np.array(_selection(rng))
+    blocks[rng.random(blocks.shape) < 0.2] = -1
+    pt, tr, _ = _args()
+    bt = 3
+    it = block_major.work_items(jnp.asarray(blocks), tr, num_rows=pt.shape[0], num_blocks=pt.shape[1], bt=bt)
+    count, start = np.asarray(it.count_W), np.asarray(it.start_W)
+    tok, dest = np.asarray(it.token_P), np.asarray(it.dest_P)
+    T, G, N = blocks.shape
+    seen = []
+    for w in np.nonzero(count)[0]:
+        assert 1 <= count[w] <= bt
+        toks = tok[start[w]:start[w] + count[w]]
+        assert (np.diff(toks) > 0).all()
+        for t, d in zip(toks, dest[start[w]:start[w] + count[w]], strict=True):
+            g, j = d // N % G, d % N
+            assert d // (G * N) == t and g == int(it.group_W[w])
+            assert blocks[t, g, j] == int(it.block_W[w]) and int(tr[t]) == int(it.row_W[w])
+            seen.append(d)
+    assert sorted(seen) == sorted(np.flatnonzero(blocks.reshape(-1) >= 0).tolist())

@@ -47,6 +47,9 @@ class AttentionTiles:
     num_warps: int = 4
     num_stages: int = 3
     key_tile: int | None = None  # keys per loop step (None: a whole page); half a page halves each stage's smem
+    # Block-sparse prefill only: one program per (group, selected block, up to bt tokens that chose it), partial
+    # results merged afterwards (msa/block_major.py), instead of a query block over its tokens' union of pages.
+    block_major: bool = False
 
 
 def _pow2_at_least(x: int) -> int:

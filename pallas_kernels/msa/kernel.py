@@ -31,6 +31,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.attention.kernel import ragged_paged_attention
 from pallas_kernels.attention.ragged import QueryBlocks, query_blocks
 from pallas_kernels.attention.tuning import AttentionTiles, IndexTiles
+from pallas_kernels.msa.block_major import block_major_attention
 from pallas_kernels.sync import when_last
 
 
@@ -281,6 +282,9 @@ def paged_block_sparse_attention(q_THD: jax.Array, k_pages: jax.Array, v_pages: 
     """Kernel version of `msa.reference.paged_block_sparse_attention`. A token's selected ids are distinct apart
     from -1 padding (what `paged_select_blocks` produces); with one token per program duplicates are not merged.
     `heads_major`: pages laid out [pages, K, page_size, hd] (an experiment against KVPages' layout)."""
+    if tiles.block_major:
+        return block_major_attention(q_THD, k_pages, v_pages, page_table_RP, token_row_T, pos_T, blocks_TGN,
+                                     scale=scale, tiles=tiles, interpret=interpret)
     bt = tiles.bt
     qbs = query_blocks(token_row_T, pos_T, bt=bt, num_rows=page_table_RP.shape[0])
     blocks_TGN = blocks_TGN.astype(jnp.int32)

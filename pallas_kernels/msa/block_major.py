@@ -1,0 +1,166 @@
+"""KV-block-major block-sparse attention for prefill chunks (Pallas: Triton lowering on GPU, interpret on CPU).
+
+Every token of a prefill chunk selects its own 16 blocks per KV group, so neighbouring tokens share few pages
+when their selections differ. The query-major kernel (`attention.kernel.ragged_paged_attention` over the union of
+a query block's selections) then reads pages that most of its rows mask away. Here the loop is turned around
+(the MSA paper's "KV outer, gather Q"):
+
+1. `work_items` (XLA): the (token, group, slot) selections sorted by (group, request, block), cut into work
+   items of at most `bt` tokens that selected the same block of the same request and group.
+2. The kernel: one program per work item reads that block's K and V page once, gathers the `bt` tokens' query
+   heads of the group (M = bt * heads per group rows), and computes their attention over the block alone
+   (token-exact causal mask, fp32 softmax in base 2). It writes each token's partial result to the
+   (token, group, slot) of the block in its selection: the output normalised by its own sum, in q's dtype, and
+   the block's max and sum in fp32.
+3. `merge_partials` (XLA): each token's slots merged with the usual log-sum-exp weights, so every selected key is
+   computed exactly once, and a token with no selection gets zeros, as the reference gives.
+
+Compute is exactly the selected (token, block) pairs; the price is the partials' round trip through memory
+(T x G x topk x heads x hd in q's dtype).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.attention.kernel import LOG2E
+from pallas_kernels.attention.tuning import AttentionTiles
+
+_NO_KEY = jnp.iinfo(jnp.int32).max  # sort key of a -1 selection slot: after every real (group, request, block)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class WorkItems:
+    """W work items (a static bound; unused ones have count 0) over the P selected (token, group, slot) pairs
+    sorted by (group, request, block, token)."""
+
+    group_W: jax.Array  # KV group
+    row_W: jax.Array  # request row (page-table row)
+    block_W: jax.Array  # logical block
+    start_W: jax.Array  # first pair of the item in the sorted pair arrays
+    count_W: jax.Array  # pairs (tokens) in the item, <= bt; 0: unused program
+    token_P: jax.Array  # sorted pairs: the token
+    dest_P: jax.Array  # sorted pairs: the partial's row, (token * G + group) * N + slot
+
+
+def max_work_items(num_pairs: int, num_keys: int, bt: int) -> int:
+    """Programs needed: sum over (group, request, block) keys of ceil(n_key / bt) <= pairs / bt + keys, and
+    <= pairs (an item holds at least one pair)."""
+    return max(1, min(num_pairs, num_pairs // bt + num_keys))
+
+
+def work_items(blocks_TGN: jax.Array, token_row_T: jax.Array, *, num_rows: int, num_blocks: int,
+               bt: int) -> WorkItems:
+    """The selections of a flat batch regrouped by the block they select (see the module docstring)."""
+    T, G, N = blocks_TGN.shape
+    blk = blocks_TGN.astype(jnp.int32)
+    row_T = token_row_T.astype(jnp.int32)
+    key_TGN = (jnp.arange(G, dtype=jnp.int32)[None, :, None] * num_rows + row_T[:, None, None]) * num_blocks + blk
+    key_P = jnp.where(blk >= 0, key_TGN, _NO_KEY).reshape(-1)
+    # Stable: equal keys keep the flat (token, group, slot) order, so each item's tokens ascend.
+    order_P = jnp.argsort(key_P, stable=True).astype(jnp.int32)
+    skey_P = key_P[order_P]
+    p = jnp.arange(key_P.shape[0], dtype=jnp.int32)
+    real_P = skey_P != _NO_KEY
+    first_P = jnp.concatenate([jnp.ones((1,), jnp.bool_), skey_P[1:] != skey_P[:-1]])
+    seg_start_P = lax.cummax(jnp.where(first_P, p, 0), axis=0)
+    new_item_P = real_P & ((p - seg_start_P) % bt == 0)
+    item_P = jnp.cumsum(new_item_P.astype(jnp.int32)) - 1
+    W = max_work_items(key_P.shape[0], G * num_rows * num_blocks, bt)
+    item_P = jnp.where(real_P, item_P, W)  # padding pairs: dropped by the scatters below
+    start_W = jnp.full((W,), 0, jnp.int32).at[item_P].max(jnp.where(new_item_P, p, 0), mode="drop")
+    count_W = jnp.zeros((W,), jnp.int32).at[item_P].add(1, mode="drop")
+    key_W = jnp.where(count_W > 0, skey_P[start_W], 0)
+    return WorkItems(group_W=key_W // (num_rows * num_blocks), row_W=key_W // num_blocks % num_rows,
+                     block_W=key_W % num_blocks, start_W=start_W, count_W=count_W, token_P=order_P // (G * N),
+                     dest_P=order_P)
+
+
+def _block_major_kernel(group_ref, row_ref, block_ref, start_ref, count_ref, token_ref, dest_ref, page_table_ref,
+                        pos_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, bt: int, hg: int, ps: int,
+                        scale: float, trash: int):
+    w = pl.program_id(0)
+    n = count_ref[w]
+
+    @pl.when(n > 0)
+    def _():
+        g, blk, s0 = group_ref[w], block_ref[w], start_ref[w]
+        M, D = bt * hg, q_ref.shape[-1]
+        ok_B = lax.broadcasted_iota(jnp.int32, (bt,), 0) < n
+        tok_B = plgpu.load(token_ref.at[pl.ds(s0, bt)], mask=ok_B, other=0)
+        # Rows past the item's count write to one spare row that nothing reads (no masked scatter needed).
+        dest_B = jnp.where(ok_B, plgpu.load(dest_ref.at[pl.ds(s0, bt)], mask=ok_B, other=0), trash)
+        pos_B = jnp.where(ok_B, pos_ref[tok_B], -1)
+        q_MD = q_ref[tok_B, pl.ds(g * hg, hg), :].reshape(M, D)
+        page = page_table_ref[row_ref[w], blk]
+        k_SD = k_ref[page, :, g, :]
+        v_SD = v_ref[page, :, g, :]
+        s_MS = lax.dot_general(q_MD, k_SD, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        pos_M = jnp.broadcast_to(pos_B[:, None], (bt, hg)).reshape(M)
+        kpos_S = blk * ps + lax.broadcasted_iota(jnp.int32, (ps,), 0)
+        s_MS = jnp.where(kpos_S[None, :] <= pos_M[:, None], s_MS, -jnp.inf)
+        # A token that selected the block sees its first key (the block is at or before its own); only the
+        # spare rows see nothing, and their m is kept finite so their garbage stays NaN-free.
+        m_M = jnp.max(s_MS, axis=1)
+        m_M = jnp.where(m_M == -jnp.inf, 0.0, m_M)
+        c = scale * LOG2E
+        p_MS = jnp.exp2(s_MS * c - (m_M * c)[:, None])
+        l_M = jnp.sum(p_MS, axis=1)
+        o_MD = jnp.dot(p_MS.astype(v_SD.dtype), v_SD, preferred_element_type=jnp.float32)
+        o_MD = o_MD / jnp.where(l_M > 0, l_M, 1.0)[:, None]
+        o_ref[dest_B] = o_MD.reshape(bt, hg, D).astype(o_ref.dtype)
+        m_ref[dest_B] = (m_M * scale).reshape(bt, hg)
+        l_ref[dest_B] = l_M.reshape(bt, hg)
+
+
+def merge_partials(o_PHD: jax.Array, m_PH: jax.Array, l_PH: jax.Array, blocks_TGN: jax.Array) -> jax.Array:
+    """[T, G * hg, D] in o's dtype: each token's selected blocks merged (log-sum-exp weights, fp32). Slots whose
+    selection is -1 were never written: they are selected away, not multiplied by zero (their memory is
+    uninitialised)."""
+    T, G, N = blocks_TGN.shape
+    hg, D = o_PHD.shape[1:]
+    sel = (blocks_TGN >= 0)[..., None]  # [T, G, N, 1]
+    o = o_PHD[:T * G * N].reshape(T, G, N, hg, D).astype(jnp.float32)
+    m = jnp.where(sel, m_PH[:T * G * N].reshape(T, G, N, hg), -jnp.inf)
+    m_max = jnp.max(m, axis=2, keepdims=True)
+    w = jnp.where(sel, l_PH[:T * G * N].reshape(T, G, N, hg) * jnp.exp(m - jnp.where(m_max == -jnp.inf, 0.0, m_max)),
+                  0.0)
+    num = jnp.sum(jnp.where(sel[..., None], o, 0.0) * w[..., None], axis=2)
+    den = jnp.sum(w, axis=2)
+    out = num / jnp.where(den > 0, den, 1.0)[..., None]
+    return out.reshape(T, G * hg, D).astype(o_PHD.dtype)
+
+
+def block_major_attention(q_THD: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table_RP: jax.Array,
+                          token_row_T: jax.Array, pos_T: jax.Array, blocks_TGN: jax.Array, *, scale: float,
+                          tiles: AttentionTiles, interpret: bool = False) -> jax.Array:
+    """Kernel version of `msa.reference.paged_block_sparse_attention`, KV-block-major. A token's selected ids
+    must be distinct apart from -1 padding (what `paged_select_blocks` produces)."""
+    T, H, D = q_THD.shape
+    _, ps, K, _ = k_pages.shape
+    R, P = page_table_RP.shape
+    N = blocks_TGN.shape[-1]
+    hg, bt = H // K, tiles.bt
+    items = work_items(blocks_TGN, token_row_T, num_rows=R, num_blocks=P, bt=bt)
+    W = items.count_W.shape[0]
+    rows = T * K * N + 1  # one partial per (token, group, slot), and the spare row
+    kernel = functools.partial(_block_major_kernel, bt=bt, hg=hg, ps=ps, scale=scale, trash=rows - 1)
+    o_part, m_part, l_part = pl.pallas_call(
+        kernel,
+        grid=(W,),
+        out_shape=[jax.ShapeDtypeStruct((rows, hg, D), q_THD.dtype),
+                   jax.ShapeDtypeStruct((rows, hg), jnp.float32), jax.ShapeDtypeStruct((rows, hg), jnp.float32)],
+        compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
+        interpret=interpret,
+        name=f"block_major_sparse_attention_bt{bt}",
+    )(items.group_W, items.row_W, items.block_W, items.start_W, items.count_W, items.token_P, items.dest_P,
+      page_table_RP, pos_T.astype(jnp.int32), q_THD, k_pages, v_pages)
+    return merge_partials(o_part, m_part, l_part, blocks_TGN)

@@ -136,9 +136,9 @@ def _selection(rng: np.random.Generator) -> jax.Array:
 
 @pytest.mark.parametrize("tiles", [AttentionTiles(bt=1, pages_per_split=2),
                                    AttentionTiles(bt=4, pages_per_split=16, key_tile=4),
-                                   AttentionTiles(bt=4, pages_per_split=16, block_major=True),
-                                   AttentionTiles(bt=2, pages_per_split=16, block_major=True)],
-                         ids=["decode-tiles-split", "union-tiles-half-pages", "block-major", "block-major-bt2"])
+                                   AttentionTiles(bt=4, pages_per_split=16, block_major=1),
+                                   AttentionTiles(bt=2, pages_per_split=16, block_major=3)],
+                         ids=["decode-tiles-split", "union-tiles-half-pages", "block-major", "block-major-3-tiles"])
 def test_block_sparse_attention_equal_reference(tiles):
     rng = np.random.default_rng(3)
     blocks = np.array(_selection(rng))

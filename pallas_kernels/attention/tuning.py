@@ -47,9 +47,10 @@ class AttentionTiles:
     num_warps: int = 4
     num_stages: int = 3
     key_tile: int | None = None  # keys per loop step (None: a whole page); half a page halves each stage's smem
-    # Block-sparse prefill only: one program per (group, selected block, up to bt tokens that chose it), partial
-    # results merged afterwards (msa/block_major.py), instead of a query block over its tokens' union of pages.
-    block_major: bool = False
+    # Block-sparse prefill: 0 = query blocks over their tokens' union of pages; n >= 1 = KV-block-major
+    # (msa/block_major.py): one program per (group, selected block, up to n tiles of bt tokens that chose it),
+    # partial results merged afterwards.
+    block_major: int = 0
 
 
 def _pow2_at_least(x: int) -> int:

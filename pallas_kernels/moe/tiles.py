@@ -68,6 +68,8 @@ class MoeTiles:
         assert list(h) == sorted(set(h)) and all(0 < x < self.bm and x & (x - 1) == 0 for x in h), h
 
     def replace(self, **kw: object) -> MoeTiles:
+        if "bm" in kw and "tail_heights" not in kw:  # a new block height keeps the tail heights below it
+            kw["tail_heights"] = tuple(h for h in self.tail_heights if h < kw["bm"])  # type: ignore[operator]
         return dataclasses.replace(self, **kw)  # type: ignore[arg-type]
 
 

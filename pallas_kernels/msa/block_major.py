@@ -6,9 +6,10 @@ a query block's selections) then reads pages that most of its rows mask away. He
 (the MSA paper's "KV outer, gather Q"):
 
 1. `work_items` (XLA): the (token, group, slot) selections sorted by (group, request, block), cut into work
-   items of at most `bt` tokens that selected the same block of the same request and group.
-2. The kernel: one program per work item reads that block's K and V page once, gathers the `bt` tokens' query
-   heads of the group (M = bt * heads per group rows), and computes their attention over the block alone
+   items of at most `block_major * bt` tokens that selected the same block of the same request and group.
+2. The kernel: one program per work item reads that block's K and V page once, then for each tile of `bt` of
+   its tokens (`AttentionTiles.block_major` tiles at most) gathers their query heads of the group (M = bt *
+   heads per group rows) and computes their attention over the block alone
    (token-exact causal mask, fp32 softmax in base 2). It writes each token's partial result to the
    (token, group, slot) of the block in its selection: the output normalised by its own sum, in q's dtype, and
    the block's max and sum in fp32.
@@ -94,31 +95,37 @@ def _block_major_kernel(group_ref, row_ref, block_ref, start_ref, count_ref, tok
     def _():
         g, blk, s0 = group_ref[w], block_ref[w], start_ref[w]
         M, D = bt * hg, q_ref.shape[-1]
-        ok_B = lax.broadcasted_iota(jnp.int32, (bt,), 0) < n
-        tok_B = plgpu.load(token_ref.at[pl.ds(s0, bt)], mask=ok_B, other=0)
-        # Rows past the item's count write to one spare row that nothing reads (no masked scatter needed).
-        dest_B = jnp.where(ok_B, plgpu.load(dest_ref.at[pl.ds(s0, bt)], mask=ok_B, other=0), trash)
-        pos_B = jnp.where(ok_B, pos_ref[tok_B], -1)
-        q_MD = q_ref[tok_B, pl.ds(g * hg, hg), :].reshape(M, D)
         page = page_table_ref[row_ref[w], blk]
-        k_SD = k_ref[page, :, g, :]
+        k_SD = k_ref[page, :, g, :]  # read once for all of the item's token tiles
         v_SD = v_ref[page, :, g, :]
-        s_MS = lax.dot_general(q_MD, k_SD, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-        pos_M = jnp.broadcast_to(pos_B[:, None], (bt, hg)).reshape(M)
         kpos_S = blk * ps + lax.broadcasted_iota(jnp.int32, (ps,), 0)
-        s_MS = jnp.where(kpos_S[None, :] <= pos_M[:, None], s_MS, -jnp.inf)
-        # A token that selected the block sees its first key (the block is at or before its own); only the
-        # spare rows see nothing, and their m is kept finite so their garbage stays NaN-free.
-        m_M = jnp.max(s_MS, axis=1)
-        m_M = jnp.where(m_M == -jnp.inf, 0.0, m_M)
         c = scale * LOG2E
-        p_MS = jnp.exp2(s_MS * c - (m_M * c)[:, None])
-        l_M = jnp.sum(p_MS, axis=1)
-        o_MD = jnp.dot(p_MS.astype(v_SD.dtype), v_SD, preferred_element_type=jnp.float32)
-        o_MD = o_MD / jnp.where(l_M > 0, l_M, 1.0)[:, None]
-        o_ref[dest_B] = o_MD.reshape(bt, hg, D).astype(o_ref.dtype)
-        m_ref[dest_B] = (m_M * scale).reshape(bt, hg)
-        l_ref[dest_B] = l_M.reshape(bt, hg)
+
+        def tile(i, carry):
+            t0 = s0 + i * bt
+            ok_B = lax.broadcasted_iota(jnp.int32, (bt,), 0) < n - i * bt
+            tok_B = plgpu.load(token_ref.at[pl.ds(t0, bt)], mask=ok_B, other=0)
+            # Rows past the item's count write to one spare row that nothing reads (no masked scatter needed).
+            dest_B = jnp.where(ok_B, plgpu.load(dest_ref.at[pl.ds(t0, bt)], mask=ok_B, other=0), trash)
+            pos_B = jnp.where(ok_B, pos_ref[tok_B], -1)
+            q_MD = q_ref[tok_B, pl.ds(g * hg, hg), :].reshape(M, D)
+            s_MS = lax.dot_general(q_MD, k_SD, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+            pos_M = jnp.broadcast_to(pos_B[:, None], (bt, hg)).reshape(M)
+            s_MS = jnp.where(kpos_S[None, :] <= pos_M[:, None], s_MS, -jnp.inf)
+            # A token that selected the block sees its first key (the block is at or before its own); only the
+            # spare rows see nothing, and their m is kept finite so their garbage stays NaN-free.
+            m_M = jnp.max(s_MS, axis=1)
+            m_M = jnp.where(m_M == -jnp.inf, 0.0, m_M)
+            p_MS = jnp.exp2(s_MS * c - (m_M * c)[:, None])
+            l_M = jnp.sum(p_MS, axis=1)
+            o_MD = jnp.dot(p_MS.astype(v_SD.dtype), v_SD, preferred_element_type=jnp.float32)
+            o_MD = o_MD / jnp.where(l_M > 0, l_M, 1.0)[:, None]
+            o_ref[dest_B] = o_MD.reshape(bt, hg, D).astype(o_ref.dtype)
+            m_ref[dest_B] = (m_M * scale).reshape(bt, hg)
+            l_ref[dest_B] = l_M.reshape(bt, hg)
+            return carry
+
+        lax.fori_loop(0, (n + bt - 1) // bt, tile, 0)
 
 
 def merge_partials(o_PHD: jax.Array, m_PH: jax.Array, l_PH: jax.Array, blocks_TGN: jax.Array) -> jax.Array:
@@ -149,7 +156,7 @@ def block_major_attention(q_THD: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
     R, P = page_table_RP.shape
     N = blocks_TGN.shape[-1]
     hg, bt = H // K, tiles.bt
-    items = work_items(blocks_TGN, token_row_T, num_rows=R, num_blocks=P, bt=bt)
+    items = work_items(blocks_TGN, token_row_T, num_rows=R, num_blocks=P, bt=bt * tiles.block_major)
     W = items.count_W.shape[0]
     rows = T * K * N + 1  # one partial per (token, group, slot), and the spare row
     kernel = functools.partial(_block_major_kernel, bt=bt, hg=hg, ps=ps, scale=scale, trash=rows - 1)

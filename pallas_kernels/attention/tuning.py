@@ -92,10 +92,13 @@ def sparse_tiles(num_tokens: int, num_rows: int, topk: int, heads_per_group: int
         # instead of two (same run: 78.9 / 78.6 / 84.6 us against 86.7 / 87.0 / 83.1 us with 4 stages,
         # benchmarks/results/attention-h200-depth.json).
         return AttentionTiles(bt=1, pages_per_split=topk, num_stages=3, key_tile=64)
-    # Prefill: a block of 4 tokens reads the union of their selections once, each token masked to its own
-    # (random selections at an 8k chunk: 3.5 ms, against 5.6 ms one token per program and 8.0 ms for 8 tokens;
-    # real selections of neighbouring tokens overlap more, which favours the union).
-    return AttentionTiles(bt=4, pages_per_split=4 * topk, key_tile=64)
+    # Prefill: KV-block-major (msa/block_major.py): each selected (token, block) pair computed once, a page read
+    # once for up to 16 tiles of 4 tokens that chose it. 8k chunk, random selections, same run, kernel-busy:
+    # 2,760 us against 3,548 us for query blocks of 4 tokens over their union of pages (8 / 4 / 1 tiles per
+    # program 2,799 / 2,920 / 2,840 us; 8-token tiles 3,791 us; benchmarks/results/attention-h200-prefill-3.json).
+    # Of the 2,760 us, the merge of the bf16 partials is 533 us. (The union kernel: 3.5 ms against 5.6 ms one
+    # token per program and 8.0 ms for 8 tokens.)
+    return AttentionTiles(bt=4, pages_per_split=4 * topk, num_stages=2, block_major=16)
 
 
 def dense_tiles(num_tokens: int, num_rows: int, pages_per_row: int, num_kv_heads: int,

@@ -112,12 +112,16 @@ GPU_TABLE: dict[tuple[str, str], MoeTiles] = {
     # (was 16): 10.09 vs 10.37 ms and 9.83 vs 10.67 ms in two sweeps (moe-h200-8192-sweep*.json), but the same
     # tiles measure 9.8-10.7 ms across processes, so the gain is within that spread; 1, 2, 6, 8, 24, 32: slower.
     # Half-height tail blocks: T = 8192, same process, kernel-busy 10.03 and 10.07 ms against 10.53 ms
-    # (benchmarks/results/moe-h200-half-tail-8192.json).
+    # (benchmarks/results/moe-h200-half-tail-8192.json); in a later process 9.78 ms against 10.35 / 10.63 without,
+    # and 9.75 / 10.03 ms with 32-row tails too, no clear gain (moe-h200-tails-bf16-2.json).
     ("prefill", "dense"): MoeTiles("prefill", bm=128, gu=_K(bn=128, bk=64, warps=8, stages=4),
                                    dn=_K(bn=256, bk=64, warps=8, stages=3), group=4, tail_heights=(64,)),
-    # MX tiles are widened in registers before the MMA: narrower gate+up tiles keep that spill-free.
+    # MX tiles are widened in registers before the MMA: narrower gate+up tiles keep that spill-free. Tail blocks
+    # of 32 or 64 rows: T = 8192, same process, kernel-busy 21.11 / 21.03 ms against 21.99 ms without, while
+    # halves alone measured 23.20 / 23.18 ms (benchmarks/results/moe-h200-tails-mxfp8-2.json).
     ("prefill", "mxfp8"): MoeTiles("prefill", bm=128, gu=_K(bn=64, bk=128, warps=8, stages=4),
-                                   dn=_K(bn=128, bk=128, warps=8, stages=4), group=16, mx_mode="expand_asm"),
+                                   dn=_K(bn=128, bk=128, warps=8, stages=4), group=16, mx_mode="expand_asm",
+                                   tail_heights=(32, 64)),
     ("prefill", "mxfp4"): MoeTiles("prefill", bm=128, gu=_K(bn=64, bk=128, warps=8, stages=4),
                                    dn=_K(bn=128, bk=128, warps=8, stages=4), group=16),
 }

@@ -200,9 +200,16 @@ def _normal(key: jax.Array, shape: tuple[int, ...], dtype: Any) -> jax.Array:
 
 
 def make_case(key: jax.Array, s: Shapes, kind: str, batch: int, context: int, n_rot: int, pool_factor: int,
-              dtype: Any) -> Case:
+              dtype: Any, locality: float = 0.0) -> Case:
     """Decode: `batch` requests at `context` tokens, one query row each (position context - 1).
-    Prefill: one request, a chunk of `context` rows at positions 0 .. context - 1."""
+    Prefill: one request, a chunk of `context` rows at positions 0 .. context - 1.
+
+    `locality` > 0 (prefill): index queries that drift over that many tokens (iq_t = u cos(t / L) + v sin(t / L)
+    plus 5% noise), so neighbouring tokens select overlapping blocks, as a trained indexer's neighbouring queries
+    may; 0: independent random queries. On the CPU reference at a 4k chunk (tokens 2048-4095, M3 shapes), 4
+    consecutive tokens select 23.8 distinct blocks per group with independent queries and 17.2 with locality 256
+    (64 tokens: 24.5 and 19.7), against 16 each: the overlap that decides between the union and the block-major
+    prefill kernels (recorded per prefill row as `selection_overlap`)."""
     P = -(-context // s.ps)
     R = batch if kind == "decode" else 1
     T = batch if kind == "decode" else context
@@ -223,11 +230,16 @@ def make_case(key: jax.Array, s: Shapes, kind: str, batch: int, context: int, n_
         else:
             pos = np.arange(T, dtype=np.int32)
             row = np.zeros(T, np.int32)
-        sets.append(dict(q=jax.random.normal(ks[4 + 2 * r], (T, s.H, s.D), dtype),
-                         iq=jax.random.normal(ks[5 + 2 * r], (T, s.K, s.Di), dtype),
+        iq = jax.random.normal(ks[5 + 2 * r], (T, s.K, s.Di), jnp.float32)
+        if locality > 0:
+            u, v = (jax.random.normal(k, (1, s.K, s.Di), jnp.float32) for k in jax.random.split(ks[5 + 2 * r]))
+            phase = (jnp.arange(T, dtype=jnp.float32) / locality)[:, None, None]
+            iq = u * jnp.cos(phase) + v * jnp.sin(phase) + 0.05 * iq
+        sets.append(dict(q=jax.random.normal(ks[4 + 2 * r], (T, s.H, s.D), dtype), iq=iq.astype(dtype),
                          page_table=jnp.asarray(table), token_row=jnp.asarray(row), pos=jnp.asarray(pos)))
-    return Case(f"{kind}-b{batch}-{context // 1024}k" if context >= 1024 else f"{kind}-b{batch}-{context}",
-                kind, batch, context, k_pages, v_pages, ik_pages, sets)
+    name = f"{kind}-b{batch}-{context // 1024}k" if context >= 1024 else f"{kind}-b{batch}-{context}"
+    return Case(name + (f"-loc{locality:g}" if locality > 0 else ""), kind, batch, context, k_pages, v_pages,
+                ik_pages, sets)
 
 
 def _ints_like(x: jax.Array) -> jax.Array:
@@ -239,6 +251,18 @@ def _ints_like(x: jax.Array) -> jax.Array:
 def _shape_dict(case: Case, s: Shapes, T: int) -> dict[str, Any]:
     return dict(batch=case.batch, context=case.context, tokens=T, q_heads=s.H, kv_heads=s.K, head_dim=s.D,
                 index_dim=s.Di, page_size=s.ps, topk=s.topk, dtype=str(case.k_pages.dtype))
+
+
+def _selection_overlap(blocks_TGN: np.ndarray, span: int = 4) -> dict[str, float]:
+    """How much neighbouring tokens' selections overlap: the mean number of distinct blocks that `span`
+    consecutive tokens select per group, against their mean number of selected blocks in all (what a query block
+    of `span` tokens reads as its union, against what it uses)."""
+    T, G, N = blocks_TGN.shape
+    b = blocks_TGN[:T - T % span].reshape(-1, span, G, N).transpose(0, 2, 1, 3).reshape(-1, span * N)
+    srt = np.sort(b, axis=1)
+    distinct = ((srt >= 0) & np.concatenate([np.ones_like(srt[:, :1], bool), srt[:, 1:] != srt[:, :-1]], 1)).sum(1)
+    return {"span_tokens": span, "distinct_blocks": float(distinct.mean()),
+            "selected_blocks": float((b >= 0).sum(1).mean())}
 
 
 def _rel_err(got: jax.Array, want: jax.Array) -> float:
@@ -362,7 +386,8 @@ def bench_case(case: Case, s: Shapes, rec: Recorder, *, small: bool, interpret: 
     rec.add(op="msa_sparse_attention", case=case.name, variant=f"table {_fmt(stiles)}", shape=shape, time_s=t,
             floor_s=floor_s, floor_kind=floor_kind, bytes=sp_bytes, flops=sp_flops, ratio=_ratio(t, floor_s),
             reference_time_s=t_ref, check=check, error=err, **_no_ref(with_reference),
-            **device_timings(sp, sp_sets, small, floor_s, in_graph=decode))
+            **device_timings(sp, sp_sets, small, floor_s, in_graph=decode),
+            **({"selection_overlap": _selection_overlap(np.asarray(blocks_sets[0]))} if not decode else {}))
 
     # --- dense ragged paged attention (the 3 dense layers) ---
     dn = jax.jit(lambda q, k, v, pt, tr, pos: dispatch.paged_dense_attention(q, k, v, pt, tr, pos, scale))
@@ -518,11 +543,11 @@ def _sparse_variants(kind: str, context: int, base: AttentionTiles) -> list[Atte
     if VARIANTS == "prefill":
         if kind != "prefill":
             return []
-        # KV-block-major (msa/block_major.py): each selected (token, block) pair computed once.
-        # (attention-h200-prefill-2.json, one token tile per program: bt 4 / 4 warps 3.57 ms, bt 8 3.90-4.89.)
-        bm = AttentionTiles(bt=4, pages_per_split=16, num_warps=4, num_stages=2, block_major=4)
-        return [bm, r(bm, block_major=8), r(bm, block_major=16), r(bm, bt=8, num_warps=8, block_major=4),
-                r(bm, block_major=1, num_stages=1)]
+        # The table is KV-block-major (msa/block_major.py; attention-h200-prefill-2/-3.json: 1 / 4 / 8 / 16 token
+        # tiles per page read, 8-token tiles). Against it: fewer tiles per page read, 8 warps with 8-token tiles,
+        # and the query-block kernel over the union of 4 tokens' selections (the table before rev 8d5adc2).
+        return [r(base, block_major=8), r(base, bt=8, num_warps=8, block_major=8),
+                AttentionTiles(bt=4, pages_per_split=4 * 16, key_tile=64)]
     if VARIANTS == "final":
         return []
     if VARIANTS == "depth":
@@ -680,6 +705,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--contexts", default="8192,32768,131072")
     ap.add_argument("--prefill", type=int, default=8192)
+    ap.add_argument("--prefill-locality", type=float, nargs="+", default=[0.0],
+                    help="prefill cases' index-query drift length in tokens (0: independent random queries)")
     ap.add_argument("--variants", choices=("tune", "final", "depth", "prefill", "none"), default="tune",
                     help="tune: the tile sets the table was chosen from, and the KV-layout experiment; final: "
                          "the fused index top-k and page streams at decode; depth: pipeline-depth variants; "
@@ -721,9 +748,10 @@ def main() -> None:
         run_variants(deadline)
         del case, run_variants
         print(f"[{time.perf_counter() - start:.0f}s]", flush=True)
-    if a.prefill:
+    for locality in (a.prefill_locality if a.prefill else []):
         ctx = 128 if a.small else a.prefill
-        case = make_case(jax.random.key(1), s, "prefill", 1, ctx, n_rot=2, pool_factor=2, dtype=dtype)
+        case = make_case(jax.random.key(1), s, "prefill", 1, ctx, n_rot=2, pool_factor=2, dtype=dtype,
+                         locality=locality)
         run_variants = bench_case(case, s, rec, small=a.small, interpret=interpret, with_reference=False)
         run_variants(deadline)
         del case, run_variants

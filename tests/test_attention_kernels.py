@@ -219,6 +219,19 @@ def test_dispatch_env_override(monkeypatch):
                                   np.asarray(q[:, :K][np.asarray(slots) != 0]))
 
 
+def test_block_major_splits_long_batches(monkeypatch):
+    """Batches whose partials would pass Pallas' 32-bit offsets are split into calls by tokens; same result."""
+    rng = np.random.default_rng(9)
+    blocks = _selection(rng)
+    q = _normal(rng, BATCH.num_tokens, H, D)
+    kp, vp = (_normal(rng, NUM_PAGES, PS, K, D) for _ in range(2))
+    tiles = AttentionTiles(bt=2, pages_per_split=16, block_major=2)
+    whole = block_major.block_major_attention(q, kp, vp, *_args(), blocks, scale=SCALE, tiles=tiles, interpret=True)
+    monkeypatch.setattr(block_major, "MAX_PARTIAL_ELEMENTS", 10 * K * TOPK * HG * D)  # 9 tokens per call
+    split = block_major.block_major_attention(q, kp, vp, *_args(), blocks, scale=SCALE, tiles=tiles, interpret=True)
+    np.testing.assert_array_equal(np.asarray(split), np.asarray(whole))
+
+
 def test_block_major_work_items_cover_each_selection_once():
     """Every selected (token, group, slot) lands in exactly one work item, whose tokens all chose that item's
     block of their own request and group; items hold at most bt tokens, in ascending token order."""

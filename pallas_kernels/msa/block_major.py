@@ -36,6 +36,9 @@ from pallas_kernels.attention.kernel import LOG2E
 from pallas_kernels.attention.tuning import AttentionTiles
 
 _NO_KEY = jnp.iinfo(jnp.int32).max  # sort key of a -1 selection slot: after every real (group, request, block)
+# Pallas' Triton lowering indexes an array with 32-bit element offsets: longer batches are split into calls whose
+# partials stay under this many elements (16,383 tokens of M3 per call).
+MAX_PARTIAL_ELEMENTS = 2**31 - 1
 
 
 @jax.tree_util.register_dataclass
@@ -157,6 +160,12 @@ def block_major_attention(q_THD: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
     R, P = page_table_RP.shape
     N = blocks_TGN.shape[-1]
     hg, bt = H // K, tiles.bt
+    chunk = MAX_PARTIAL_ELEMENTS // (K * N * hg * D) - 1  # tokens per call (the spare row is the -1)
+    if chunk < T:  # a token's output depends only on its own row, position and selection
+        return jnp.concatenate([
+            block_major_attention(q_THD[t:t + chunk], k_pages, v_pages, page_table_RP, token_row_T[t:t + chunk],
+                                  pos_T[t:t + chunk], blocks_TGN[t:t + chunk], scale=scale, tiles=tiles,
+                                  interpret=interpret) for t in range(0, T, chunk)], axis=0)
     items = work_items(blocks_TGN, token_row_T, num_rows=R, num_blocks=P, bt=bt * tiles.block_major)
     W = items.count_W.shape[0]
     rows = T * K * N + 1  # one partial per (token, group, slot), and the spare row

@@ -12,7 +12,8 @@ Token-exact causal masking (key position <= the token's position), so the partia
 need no special case; dense programs skip the mask on the leading pages that every row of the block sees whole
 (all but one or two pages of a prefill block). The softmax runs in base 2 with the scale folded into one fused
 multiply-add per score (p = 2^(c s - c m), c = scale * log2 e): one MUFU.EX2 where `exp` costs about eight
-instructions, which is most of the prefill loop's issue slots. Long page lists are split across programs
+instructions (offline sm_90 build of the dense prefill loop: 1,273 -> 732 instructions per thread and page; on
+the H200 the 8k prefill went from 3.73 to 3.28 ms). Long page lists are split across programs
 (flash-decoding); the partial (acc, max, sum) of the splits are merged in jnp. A row that sees no key returns
 zeros, as the reference does.
 """

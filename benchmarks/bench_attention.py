@@ -514,11 +514,9 @@ def _index_variants(kind: str, context: int, base: IndexTiles) -> list[IndexTile
         # means fewer page reads; one or two page splits let the top-k run inside the kernel.
         if kind != "prefill":
             return []
-        # (attention-h200-prefill-1.json: bt 32 / 64 and the fused top-k were all slower than the table's bt 16,
-        # 182-230 against 164 us.) Now: the same 64 rows with less shared memory per program (half-page key
-        # tiles, 2 stages), so more programs share a multiprocessor.
-        return [r(base, key_tile=64), r(base, key_tile=64, num_stages=4), r(base, num_stages=2),
-                r(base, key_tile=64, bp=16), r(base, num_warps=8), r(base, bt=8, key_tile=64)]
+        # (attention-h200-prefill-1/-2/-3.json: bt 32 / 64, the fused top-k and half-page dots, which IndexTiles
+        # no longer offers, were all slower than the table's bt 16: 167-305 against 164 us.)
+        return [r(base, num_stages=2), r(base, bp=16), r(base, num_warps=8)]
     if VARIANTS == "final":
         # The top-k inside the scoring kernel (no second launch) or as a second launch, and longer page streams
         # per program. (8 or 2 rows per top-k program were timed too, attention-h200-final.json: no better;

@@ -78,16 +78,14 @@ def test_query_blocks_cover_every_token_once():
 @pytest.mark.parametrize("data,topk_impl", [("ints", "pallas"), ("normal", "pallas"), ("ints", "xla"),
                                             ("ints", "fused"), ("normal", "fused")])
 @pytest.mark.parametrize("local_blocks,init_blocks", [(1, 0), (2, 1)])
-@pytest.mark.parametrize("key_tile", [None, 4])
-def test_select_blocks_equal_reference(data, topk_impl, local_blocks, init_blocks, key_tile):
+def test_select_blocks_equal_reference(data, topk_impl, local_blocks, init_blocks):
     rng = np.random.default_rng(1 + local_blocks)
     draw = _ints if data == "ints" else _normal
     iq, ik = draw(rng, BATCH.num_tokens, K, DI), draw(rng, NUM_PAGES, PS, DI)
     want = msa_ref.paged_select_blocks(iq, ik, *_args(), topk=TOPK, local_blocks=local_blocks,
                                        init_blocks=init_blocks)
-    # bp=2 splits the 10-page table over 5 programs; bt=4 puts the 4 draft rows in one program; key_tile=4
-    # scores each page as two half-page dots.
-    tiles = IndexTiles(bt=4, bp=2, topk=topk_impl, key_tile=key_tile)
+    # bp=2 splits the 10-page table over 5 programs; bt=4 puts the 4 draft rows in one program.
+    tiles = IndexTiles(bt=4, bp=2, topk=topk_impl)
     got = msa_kernel.paged_select_blocks(iq, ik, *_args(), topk=TOPK, local_blocks=local_blocks,
                                          init_blocks=init_blocks, tiles=tiles, interpret=True)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))  # same ids in the same order

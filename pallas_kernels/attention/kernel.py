@@ -28,7 +28,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.attention.ragged import QueryBlocks, query_blocks
+from pallas_kernels.attention.ragged import QueryBlocks, query_blocks, whole_pages
 from pallas_kernels.attention.tuning import AttentionTiles
 
 # Finite start for the running max: exp(M_INIT - m) underflows to 0 for any real score, and a fully masked
@@ -117,8 +117,7 @@ def _attention_kernel(start_ref, length_ref, row_ref, max_pos_ref, count_ref, pa
         acc_MD, m_M, l_M = lax.fori_loop(lo * steps, end * steps, functools.partial(body, masked=True), init)
     else:
         # Pages 0 .. whole-1 lie entirely at or before the block's first position: every row sees all their keys.
-        min_pos = jnp.min(jnp.where(tok_ok_B, pos_B, jnp.iinfo(jnp.int32).max))
-        whole = jnp.clip((min_pos + 1) // ps, lo, end)
+        whole = jnp.clip(whole_pages(pos_B, tok_ok_B, ps), lo, end)
         carry = lax.fori_loop(lo * steps, whole * steps, functools.partial(body, masked=False), init)
         acc_MD, m_M, l_M = lax.fori_loop(whole * steps, end * steps, functools.partial(body, masked=True), carry)
     m_M = m_M * scale  # natural-log units for the split merge (exp(m_split - m)), as l and acc are
@@ -191,16 +190,20 @@ def ragged_paged_attention(q_THD: jax.Array, k_pages: jax.Array, v_pages: jax.Ar
     )(qbs.start_Q, qbs.length_Q, qbs.row_Q, qbs.max_pos_Q, count_QG, page_table_RP, pos_T.astype(jnp.int32), q_THD,
       k_pages, v_pages, page_list_QGL, blocks_TGN)
 
-    if num_splits == 1:
-        o = outs[0]
-    else:
-        acc_STHD, m_STH, l_STH = outs
-        m_TH = jnp.max(m_STH, axis=0)
-        w_STH = jnp.exp(m_STH - m_TH[None])
-        l_TH = jnp.sum(w_STH * l_STH, axis=0)
-        o = jnp.sum(w_STH[..., None] * acc_STHD, axis=0) / jnp.where(l_TH > 0, l_TH, 1.0)[..., None]
-        o = o.astype(q_THD.dtype)
-    return o
+    return outs[0] if num_splits == 1 else merge_partials(*outs, axis=0).astype(q_THD.dtype)
+
+
+def merge_partials(acc: jax.Array, m: jax.Array, l: jax.Array, *, axis: int,
+                   valid: jax.Array | None = None) -> jax.Array:
+    """fp32 softmax output from partial results over disjoint key sets stacked along `axis`: unnormalised
+    accumulators acc [..., D] with their row max m (natural-log units) and sum l [...]. `valid` (m's shape)
+    drops partials that were never written, whatever their memory holds. A row with no valid keys gives 0."""
+    if valid is not None:
+        acc, m, l = jnp.where(valid[..., None], acc, 0.0), jnp.where(valid, m, -jnp.inf), jnp.where(valid, l, 0.0)
+    m_max = jnp.max(m, axis=axis, keepdims=True)
+    w = jnp.exp(m - jnp.where(m_max == -jnp.inf, 0.0, m_max))
+    den = jnp.sum(w * l, axis=axis)
+    return jnp.sum(w[..., None] * acc, axis=axis) / jnp.where(den > 0, den, 1.0)[..., None]
 
 
 def paged_dense_attention(q_THD: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table_RP: jax.Array,

@@ -35,6 +35,32 @@ class QueryBlocks:
         return self.start_Q.shape[0]
 
 
+def cut_runs(key_T: jax.Array, size: int, num_pieces: int,
+             valid_T: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Runs of equal consecutive keys cut into pieces of at most `size` elements: (piece of each element, first
+    element of each of the `num_pieces` pieces, its length). Invalid elements and pieces past `num_pieces`
+    belong to none (piece id `num_pieces`); unused pieces have length 0 and start len(key_T)."""
+    T = key_T.shape[0]
+    t = jnp.arange(T, dtype=jnp.int32)
+    run_start = jnp.concatenate([jnp.ones((1,), jnp.bool_), key_T[1:] != key_T[:-1]])
+    first_T = jax.lax.cummax(jnp.where(run_start, t, 0), axis=0)  # first element of each element's run
+    new_piece = (t - first_T) % size == 0
+    if valid_T is not None:
+        new_piece = new_piece & valid_T
+    piece_T = jnp.cumsum(new_piece.astype(jnp.int32)) - 1
+    if valid_T is not None:
+        piece_T = jnp.where(valid_T, piece_T, num_pieces)
+    start = jnp.full((num_pieces,), T, jnp.int32).at[piece_T].min(t, mode="drop")
+    length = jnp.zeros((num_pieces,), jnp.int32).at[piece_T].add(1, mode="drop")
+    return piece_T, start, length
+
+
+def whole_pages(pos_B: jax.Array, ok_B: jax.Array, page_size: int) -> jax.Array:
+    """In-kernel: how many leading pages lie entirely at or before every valid row's position, so that every row
+    sees all their keys and they need no causal mask."""
+    return (jnp.min(jnp.where(ok_B, pos_B, jnp.iinfo(jnp.int32).max)) + 1) // page_size
+
+
 def max_query_blocks(num_tokens: int, num_rows: int, bt: int) -> int:
     """Programs needed: sum over runs of ceil(len / bt) <= T / bt + runs, runs <= R + 1 (padding run)."""
     return max(1, min(num_tokens, num_tokens // bt + num_rows + 1))
@@ -47,12 +73,7 @@ def query_blocks(token_row_T: jax.Array, pos_T: jax.Array, *, bt: int, num_rows:
     t = jnp.arange(T, dtype=jnp.int32)
     if bt == 1:  # one token per block: no runs to find (and no small scatter kernels on the decode path)
         return QueryBlocks(t, jnp.ones((T,), jnp.int32), token_row_T.astype(jnp.int32), pos_T.astype(jnp.int32))
-    run_start = jnp.concatenate([jnp.ones((1,), jnp.bool_), token_row_T[1:] != token_row_T[:-1]])
-    first_T = jax.lax.cummax(jnp.where(run_start, t, 0), axis=0)  # first token of each token's run
-    new_block = (t - first_T) % bt == 0
-    qb_T = jnp.cumsum(new_block.astype(jnp.int32)) - 1  # block id of each token; ids >= Q are dropped (contract)
-    start = jnp.full((Q,), T, jnp.int32).at[qb_T].min(t, mode="drop")
-    length = jnp.zeros((Q,), jnp.int32).at[qb_T].add(1, mode="drop")
+    qb_T, start, length = cut_runs(token_row_T, bt, Q)  # block ids >= Q are dropped (contract)
     max_pos = jnp.zeros((Q,), jnp.int32).at[qb_T].max(pos_T.astype(jnp.int32), mode="drop")
     start = jnp.minimum(start, T - 1)  # unused programs: any in-range start, length 0
     row = token_row_T.astype(jnp.int32)[start]

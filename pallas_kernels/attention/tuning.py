@@ -37,7 +37,6 @@ class IndexTiles:
     # (nothing to share), the program's bt-row tile is mostly masked, and the block metadata is an iota instead
     # of the run search's handful of small XLA kernels.
     block_tokens: int | None = None
-    key_tile: int | None = None  # keys per dot (None: a whole page); half a page halves the score tile's registers
 
 
 @dataclasses.dataclass(frozen=True)

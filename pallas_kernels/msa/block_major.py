@@ -11,10 +11,11 @@ a query block's selections) then reads pages that most of its rows mask away. He
    its tokens (`AttentionTiles.block_major` tiles at most) gathers their query heads of the group (M = bt *
    heads per group rows) and computes their attention over the block alone
    (token-exact causal mask, fp32 softmax in base 2). It writes each token's partial result to the
-   (token, group, slot) of the block in its selection: the output normalised by its own sum, in q's dtype, and
-   the block's max and sum in fp32.
-3. `merge_partials` (XLA): each token's slots merged with the usual log-sum-exp weights, so every selected key is
-   computed exactly once, and a token with no selection gets zeros, as the reference gives.
+   (token, group, slot) of the block in its selection: the unnormalised accumulator in q's dtype, and the
+   block's max and sum in fp32.
+3. `attention.kernel.merge_partials` (XLA, the merge the split page lists use too): each token's slots merged
+   with log-sum-exp weights, so every selected key is computed exactly once, and a token with no selection gets
+   zeros, as the reference gives.
 
 Compute is exactly the selected (token, block) pairs; the price is the partials' round trip through memory:
 T x G x topk x heads per group x hd in q's dtype, 2.1 GB for an 8k chunk of M3 in bf16, allocated for the call
@@ -32,7 +33,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.attention.kernel import LOG2E
+from pallas_kernels.attention.kernel import LOG2E, merge_partials
+from pallas_kernels.attention.ragged import cut_runs
 from pallas_kernels.attention.tuning import AttentionTiles
 
 _NO_KEY = jnp.iinfo(jnp.int32).max  # sort key of a -1 selection slot: after every real (group, request, block)
@@ -73,17 +75,9 @@ def work_items(blocks_TGN: jax.Array, token_row_T: jax.Array, *, num_rows: int, 
     # Stable: equal keys keep the flat (token, group, slot) order, so each item's tokens ascend.
     order_P = jnp.argsort(key_P, stable=True).astype(jnp.int32)
     skey_P = key_P[order_P]
-    p = jnp.arange(key_P.shape[0], dtype=jnp.int32)
-    real_P = skey_P != _NO_KEY
-    first_P = jnp.concatenate([jnp.ones((1,), jnp.bool_), skey_P[1:] != skey_P[:-1]])
-    seg_start_P = lax.cummax(jnp.where(first_P, p, 0), axis=0)
-    new_item_P = real_P & ((p - seg_start_P) % bt == 0)
-    item_P = jnp.cumsum(new_item_P.astype(jnp.int32)) - 1
     W = max_work_items(key_P.shape[0], G * num_rows * num_blocks, bt)
-    item_P = jnp.where(real_P, item_P, W)  # padding pairs: dropped by the scatters below
-    start_W = jnp.full((W,), 0, jnp.int32).at[item_P].max(jnp.where(new_item_P, p, 0), mode="drop")
-    count_W = jnp.zeros((W,), jnp.int32).at[item_P].add(1, mode="drop")
-    key_W = jnp.where(count_W > 0, skey_P[start_W], 0)
+    _, start_W, count_W = cut_runs(skey_P, bt, W, valid_T=skey_P != _NO_KEY)
+    key_W = jnp.where(count_W > 0, skey_P[jnp.minimum(start_W, key_P.shape[0] - 1)], 0)
     return WorkItems(group_W=key_W // (num_rows * num_blocks), row_W=key_W // num_blocks % num_rows,
                      block_W=key_W % num_blocks, start_W=start_W, count_W=count_W, token_P=order_P // (G * N),
                      dest_P=order_P)
@@ -122,32 +116,13 @@ def _block_major_kernel(group_ref, row_ref, block_ref, start_ref, count_ref, tok
             m_M = jnp.where(m_M == -jnp.inf, 0.0, m_M)
             p_MS = jnp.exp2(s_MS * c - (m_M * c)[:, None])
             l_M = jnp.sum(p_MS, axis=1)
-            o_MD = jnp.dot(p_MS.astype(v_SD.dtype), v_SD, preferred_element_type=jnp.float32)
-            o_MD = o_MD / jnp.where(l_M > 0, l_M, 1.0)[:, None]
-            o_ref[dest_B] = o_MD.reshape(bt, hg, D).astype(o_ref.dtype)
+            acc_MD = jnp.dot(p_MS.astype(v_SD.dtype), v_SD, preferred_element_type=jnp.float32)
+            o_ref[dest_B] = acc_MD.reshape(bt, hg, D).astype(o_ref.dtype)
             m_ref[dest_B] = (m_M * scale).reshape(bt, hg)
             l_ref[dest_B] = l_M.reshape(bt, hg)
             return carry
 
         lax.fori_loop(0, (n + bt - 1) // bt, tile, 0)
-
-
-def merge_partials(o_PHD: jax.Array, m_PH: jax.Array, l_PH: jax.Array, blocks_TGN: jax.Array) -> jax.Array:
-    """[T, G * hg, D] in o's dtype: each token's selected blocks merged (log-sum-exp weights, fp32). Slots whose
-    selection is -1 were never written: they are selected away, not multiplied by zero (their memory is
-    uninitialised)."""
-    T, G, N = blocks_TGN.shape
-    hg, D = o_PHD.shape[1:]
-    sel = (blocks_TGN >= 0)[..., None]  # [T, G, N, 1]
-    o = o_PHD[:T * G * N].reshape(T, G, N, hg, D).astype(jnp.float32)
-    m = jnp.where(sel, m_PH[:T * G * N].reshape(T, G, N, hg), -jnp.inf)
-    m_max = jnp.max(m, axis=2, keepdims=True)
-    w = jnp.where(sel, l_PH[:T * G * N].reshape(T, G, N, hg) * jnp.exp(m - jnp.where(m_max == -jnp.inf, 0.0, m_max)),
-                  0.0)
-    num = jnp.sum(jnp.where(sel[..., None], o, 0.0) * w[..., None], axis=2)
-    den = jnp.sum(w, axis=2)
-    out = num / jnp.where(den > 0, den, 1.0)[..., None]
-    return out.reshape(T, G * hg, D).astype(o_PHD.dtype)
 
 
 def block_major_attention(q_THD: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table_RP: jax.Array,
@@ -180,4 +155,8 @@ def block_major_attention(q_THD: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
         name=f"block_major_sparse_attention_bt{bt}",
     )(items.group_W, items.row_W, items.block_W, items.start_W, items.count_W, items.token_P, items.dest_P,
       page_table_RP, pos_T.astype(jnp.int32), q_THD, k_pages, v_pages)
-    return merge_partials(o_part, m_part, l_part, blocks_TGN)
+    # Slots whose selection is -1 were never written: `valid` drops them (their memory is uninitialised).
+    n = T * K * N
+    part = (o_part[:n].reshape(T, K, N, hg, D), m_part[:n].reshape(T, K, N, hg), l_part[:n].reshape(T, K, N, hg))
+    valid = jnp.broadcast_to((blocks_TGN >= 0)[..., None], (T, K, N, hg))
+    return merge_partials(*part, axis=2, valid=valid).reshape(T, H, D).astype(q_THD.dtype)

@@ -29,7 +29,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.attention.kernel import ragged_paged_attention
-from pallas_kernels.attention.ragged import QueryBlocks, query_blocks
+from pallas_kernels.attention.ragged import QueryBlocks, query_blocks, whole_pages
 from pallas_kernels.attention.tuning import AttentionTiles, IndexTiles
 from pallas_kernels.msa.block_major import block_major_attention
 from pallas_kernels.sync import when_last
@@ -49,7 +49,7 @@ class _FusedTopk:
 
 
 def _block_scores_kernel(start_ref, length_ref, row_ref, max_pos_ref, page_table_ref, pos_ref, iq_ref, ik_ref,
-                         *refs, bt: int, G: int, ps: int, bp: int, key_tile: int | None, fused: _FusedTopk | None):
+                         *refs, bt: int, G: int, ps: int, bp: int, fused: _FusedTopk | None):
     qb, split = pl.program_id(0), pl.program_id(1)
     t0, n, row = start_ref[qb], length_ref[qb], row_ref[qb]
     P = page_table_ref.shape[1]
@@ -71,27 +71,18 @@ def _block_scores_kernel(start_ref, length_ref, row_ref, max_pos_ref, page_table
     # software pipeline can prefetch the next index-K tiles (no scalar-load chain inside the loop).
     page_C = plgpu.load(page_table_ref.at[row, jnp.minimum(b0 + col_C, P - 1)])
 
-    kt = min(key_tile or ps, ps)  # keys per dot: a [M, kt] fp32 score tile stays in registers at M = 256
-
     def body(j, best_MC, masked: bool):
         b = b0 + j
-        page = jnp.sum(jnp.where(col_C == j, page_C, 0))
-        blk_max_M = None
-        for k0 in range(0, ps, kt):
-            ik_SD = ik_ref[page, pl.ds(k0, kt), :]
-            # fp32 accumulation; bf16 x bf16 products are exact in fp32, fp32 inputs use IEEE fp32 (no tf32).
-            s_MS = lax.dot_general(iq_MD, ik_SD, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-            if masked:
-                kpos_S = b * ps + k0 + lax.broadcasted_iota(jnp.int32, (kt,), 0)
-                s_MS = jnp.where(kpos_S[None, :] <= pos_M[:, None], s_MS, -jnp.inf)
-            tile_max_M = jnp.max(s_MS, axis=1)
-            blk_max_M = tile_max_M if blk_max_M is None else jnp.maximum(blk_max_M, tile_max_M)
-        return jnp.where(col_C[None, :] == j, blk_max_M[:, None], best_MC)
+        ik_SD = ik_ref[jnp.sum(jnp.where(col_C == j, page_C, 0))]
+        # fp32 accumulation; bf16 x bf16 products are exact in fp32, fp32 inputs use IEEE fp32 (no tf32).
+        s_MS = lax.dot_general(iq_MD, ik_SD, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        if masked:
+            kpos_S = b * ps + lax.broadcasted_iota(jnp.int32, (ps,), 0)
+            s_MS = jnp.where(kpos_S[None, :] <= pos_M[:, None], s_MS, -jnp.inf)
+        return jnp.where(col_C[None, :] == j, jnp.max(s_MS, axis=1)[:, None], best_MC)
 
-    # Pages before `whole` end at or before the block's first position: every row sees all their keys, so only
-    # the last page or two of a prefill block pays for the causal mask.
-    min_pos = jnp.min(jnp.where(tok_ok_B, pos_B, jnp.iinfo(jnp.int32).max))
-    whole = jnp.clip((min_pos + 1) // ps - b0, 0, num)
+    # Only the last page or two of a prefill block pays for the causal mask.
+    whole = jnp.clip(whole_pages(pos_B, tok_ok_B, ps) - b0, 0, num)
     best_MC = jnp.full((M, bp), -jnp.inf, jnp.float32)
     best_MC = lax.fori_loop(0, whole, functools.partial(body, masked=False), best_MC)
     best_MC = lax.fori_loop(whole, num, functools.partial(body, masked=True), best_MC)
@@ -138,7 +129,7 @@ def block_scores(iq_TGD: jax.Array, ik_pages: jax.Array, page_table_RP: jax.Arra
     if select is not None:
         kp = 1 << max(0, (select["topk"] - 1).bit_length())
         fused = _FusedTopk(num_splits=num_splits, P=P, kp=kp, interpret=interpret, **select)
-    kernel = functools.partial(_block_scores_kernel, bt=bt, G=G, ps=ps, bp=bp, key_tile=tiles.key_tile, fused=fused)
+    kernel = functools.partial(_block_scores_kernel, bt=bt, G=G, ps=ps, bp=bp, fused=fused)
     # Every column of the padded width is written (-inf where unseen), so the output needs no init.
     scores_shape = jax.ShapeDtypeStruct((T, G, num_splits * bp), jnp.float32)
     args = (qbs.start_Q, qbs.length_Q, qbs.row_Q, qbs.max_pos_Q, page_table_RP, pos_T.astype(jnp.int32), iq_TGD,

@@ -53,6 +53,14 @@ def candidates(T: int, fmt: str) -> list[MoeTiles]:
     base = pick_tiles(T, fmt)
     reg = regime(T)
     out: list[MoeTiles] = []
+    if T == 1 and fmt != "dense":
+        # Twice-wide tiles, K split to keep 240 programs: each warp makes 16 columns instead of 8, so the x
+        # fragments (loaded and re-packed per warp) serve twice the widened weights. Offline sm_90: gate_up 0.106
+        # against 0.161 warp-issue slots per weight element, down 0.130 against 0.158.
+        r = dataclasses.replace
+        wide_gu, wide_dn = r(base.gu, bn=2 * base.gu.bn, split=2), r(base.dn, bn=2 * base.dn.bn, split=2)
+        out += [base.replace(gu=wide_gu), base.replace(gu=wide_gu, dn=wide_dn), base.replace(dn=wide_dn),
+                base.replace(gu=r(wide_gu, stages=4), dn=r(wide_dn, stages=4))]
     if T == 1:
         # Split K: one token's 5 slots make few output tiles (240 programs for 132 SMs at the table's tiles).
         out += [base.replace(gu=dataclasses.replace(base.gu, split=g), dn=dataclasses.replace(base.dn, split=d))

@@ -261,8 +261,9 @@ def _selection_overlap(blocks_TGN: np.ndarray, span: int = 4) -> dict[str, float
     b = blocks_TGN[:T - T % span].reshape(-1, span, G, N).transpose(0, 2, 1, 3).reshape(-1, span * N)
     srt = np.sort(b, axis=1)
     distinct = ((srt >= 0) & np.concatenate([np.ones_like(srt[:, :1], bool), srt[:, 1:] != srt[:, :-1]], 1)).sum(1)
+    ratio = float(distinct.sum() / max(1, (b >= 0).sum()))  # msa.kernel.union_prefers' statistic (aligned spans)
     return {"span_tokens": span, "distinct_blocks": float(distinct.mean()),
-            "selected_blocks": float((b >= 0).sum(1).mean())}
+            "selected_blocks": float((b >= 0).sum(1).mean()), "union_page_ratio": ratio}
 
 
 def _rel_err(got: jax.Array, want: jax.Array) -> float:
@@ -498,8 +499,15 @@ def _layout_experiment(case: Case, rec: Recorder, shape: dict[str, Any], sp_sets
 
 
 def _fmt(t: IndexTiles | AttentionTiles) -> str:
-    d = dataclasses.asdict(t)
-    return " ".join(f"{k}={v}" for k, v in d.items())
+    parts = []
+    for f in dataclasses.fields(t):
+        v = getattr(t, f.name)
+        if f.name == "union":
+            if v is not None:
+                parts.append(f"union=({_fmt(v)}) at <= {t.union_max_page_ratio} pages/pair")
+        elif f.name != "union_max_page_ratio":
+            parts.append(f"{f.name}={v}")
+    return " ".join(parts)
 
 
 VARIANTS = "tune"  # "tune": the sets the table was chosen from (and the KV-layout experiment); "final": the fused
@@ -516,7 +524,8 @@ def _index_variants(kind: str, context: int, base: IndexTiles) -> list[IndexTile
             return []
         # (attention-h200-prefill-1/-2/-3.json: bt 32 / 64, the fused top-k and half-page dots, which IndexTiles
         # no longer offers, were all slower than the table's bt 16: 167-305 against 164 us.)
-        return [r(base, num_stages=2), r(base, bp=16), r(base, num_warps=8)]
+        # (attention-h200-prefill-4.json: 16 pages per program beat 8; 8 warps were slower.)
+        return [r(base, bp=8), r(base, bp=32), r(base, num_stages=2)]
     if VARIANTS == "final":
         # The top-k inside the scoring kernel (no second launch) or as a second launch, and longer page streams
         # per program. (8 or 2 rows per top-k program were timed too, attention-h200-final.json: no better;
@@ -541,11 +550,11 @@ def _sparse_variants(kind: str, context: int, base: AttentionTiles) -> list[Atte
     if VARIANTS == "prefill":
         if kind != "prefill":
             return []
-        # The table is KV-block-major (msa/block_major.py; attention-h200-prefill-2/-3.json: 1 / 4 / 8 / 16 token
-        # tiles per page read, 8-token tiles). Against it: fewer tiles per page read, 8 warps with 8-token tiles,
-        # and the query-block kernel over the union of 4 tokens' selections (the table before rev 8d5adc2).
-        return [r(base, block_major=8), r(base, bt=8, num_warps=8, block_major=8),
-                AttentionTiles(bt=4, pages_per_split=4 * 16, key_tile=64)]
+        # The table picks KV-block-major (msa/block_major.py) or the query-block kernel over the union of 4
+        # tokens' selections on the device, by their overlap (msa.kernel.union_prefers). Each forced, to time the
+        # choice. (attention-h200-prefill-2/-3/-4.json: 1 / 4 / 8 tiles per page read and 8-token tiles with 8
+        # warps were slower than 16 tiles of 4 tokens.)
+        return [r(base, union=None, union_max_page_ratio=0.0), base.union] if base.union else []
     if VARIANTS == "final":
         return []
     if VARIANTS == "depth":
@@ -571,8 +580,8 @@ def _dense_variants(kind: str, context: int, base: AttentionTiles, P: int) -> li
     if VARIANTS == "prefill":
         if kind != "prefill":
             return []
-        # (attention-h200-prefill-1.json: half-page key tiles, 3 stages, bt 16 and bt 4 were slower.)
-        return [r(base, num_stages=3), r(base, num_warps=4)]
+        # (attention-h200-prefill-1.json: half-page key tiles, bt 16 and bt 4 were slower; -4.json: 4 warps.)
+        return [r(base, num_stages=2)]
     if VARIANTS != "tune":
         return []
     if kind == "decode":

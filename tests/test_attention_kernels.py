@@ -255,19 +255,28 @@ def test_block_major_work_items_cover_each_selection_once():
     assert sorted(seen) == sorted(np.flatnonzero(blocks.reshape(-1) >= 0).tolist())
 
 
-def test_dispatch_prefill_chunk_runs_block_major(monkeypatch):
-    """A prefill-shaped batch (one request, a 40-token chunk after a 23-token prefix: more rows per request than
-    decode) goes to the KV-block-major kernel through `dispatch`, and equals the reference end to end."""
+@pytest.mark.parametrize("selections", ["own", "shared"])
+def test_dispatch_prefill_chunk_picks_block_major_or_union(monkeypatch, selections):
+    """A prefill-shaped batch (one request, a 40-token chunk after a 200-token prefix: more rows per request than
+    decode) goes through `dispatch` to the block-major tiles, which run the KV-block-major kernel when the
+    tokens' own selections overlap little and the union query-block kernel when each 4-token block shares one
+    selection; either equals the reference end to end."""
     monkeypatch.setenv(dispatch.IMPL_ENV, "interpret")
     rng = np.random.default_rng(8)
-    batch, _ = build_batch([RowPlan([1] * 40, 23, list(range(1, 10)))], PS, 48, 2, 10)
+    batch, _ = build_batch([RowPlan([1] * 40, 200, list(range(1, 32)))], PS, 48, 2, 32)
     args = (batch.page_table, batch.token_row, batch.positions)
     T = batch.num_tokens
-    assert tuning.sparse_tiles(T, batch.page_table.shape[0], TOPK, HG).block_major > 0
+    tiles = tuning.sparse_tiles(T, batch.page_table.shape[0], TOPK, HG)
+    assert tiles.block_major > 0 and tiles.union is not None
     iq, ik = _normal(rng, T, K, DI), _normal(rng, NUM_PAGES, PS, DI)
     blocks = dispatch.paged_select_blocks(iq, ik, *args, topk=TOPK, local_blocks=1)
     visible = np.asarray(batch.positions)[:40] // PS + 1
     assert (visible > TOPK).mean() > 0.5  # most tokens' selections drop blocks: real sparsity
+    if selections == "shared":  # each token takes the selection of its query block's first token
+        blocks = blocks[np.arange(T) // tiles.union.bt * tiles.union.bt]
+    qbs = query_blocks(batch.token_row, batch.positions, bt=tiles.union.bt, num_rows=batch.page_table.shape[0])
+    _, count = msa_kernel.union_page_lists(blocks, qbs, tiles.union.bt)
+    assert bool(msa_kernel.union_prefers(blocks, count, tiles.union_max_page_ratio)) == (selections == "shared")
     q = _normal(rng, T, H, D)
     kp, vp = (_normal(rng, NUM_PAGES, PS, K, D) for _ in range(2))
     got = dispatch.paged_block_sparse_attention(q, kp, vp, *args, blocks, scale=SCALE)

@@ -50,6 +50,10 @@ class AttentionTiles:
     # (msa/block_major.py): one program per (group, selected block, up to n tiles of bt tokens that chose it),
     # partial results merged afterwards.
     block_major: int = 0
+    # Block-major only: run the union query-block kernel with these tiles instead when the query blocks' unions
+    # hold at most `union_max_page_ratio` pages per selected (token, group, block) pair (msa.kernel).
+    union: AttentionTiles | None = None
+    union_max_page_ratio: float = 0.0
 
 
 def _pow2_at_least(x: int) -> int:
@@ -76,9 +80,10 @@ def index_tiles(num_tokens: int, num_rows: int, pages_per_row: int, index_heads:
         topk = "fused" if pages_per_row <= FUSED_TOPK_MAX_PAGES else "pallas"
         return IndexTiles(bt=max(min_bt, _pow2_at_least(rows)), bp=min(64, max(8, _pow2_at_least(want))),
                           topk=topk, block_tokens=1 if num_tokens <= num_rows else None)
-    # Prefill: compute-bound; M = 64 rows per dot (8k chunk: 180 us vs 237 us at M = 128), 8 pages per program
-    # so causal-empty programs exit early.
-    return IndexTiles(bt=max(min_bt, _pow2_at_least(max(1, 64 // index_heads))), bp=8)
+    # Prefill: compute-bound; M = 64 rows per dot (8k chunk: 180 us vs 237 us at M = 128), 16 pages per program
+    # (8k chunk, kernel-busy, two cases in one run: 146.5 / 147.9 us against 153.7 / 152.3 us with 8 pages,
+    # benchmarks/results/attention-h200-prefill-4.json).
+    return IndexTiles(bt=max(min_bt, _pow2_at_least(max(1, 64 // index_heads))), bp=16)
 
 
 def sparse_tiles(num_tokens: int, num_rows: int, topk: int, heads_per_group: int) -> AttentionTiles:
@@ -97,7 +102,16 @@ def sparse_tiles(num_tokens: int, num_rows: int, topk: int, heads_per_group: int
     # program 2,799 / 2,920 / 2,840 us; 8-token tiles 3,791 us; benchmarks/results/attention-h200-prefill-3.json).
     # Of the 2,760 us, the merge of the bf16 partials is 533 us. (The union kernel: 3.5 ms against 5.6 ms one
     # token per program and 8.0 ms for 8 tokens.)
-    return AttentionTiles(bt=4, pages_per_split=4 * topk, num_stages=2, block_major=16)
+    # Neighbouring tokens whose selections overlap favour the union kernel, which then reads few pages that a
+    # token did not choose and writes no partials. 8k chunk, same run (attention-h200-prefill-4.json): with index
+    # queries drifting over 256 tokens a 4-token block's union holds 15.5 pages per group against 56.5 selected
+    # pairs, and the union kernel takes 2,090 us against 2,647 us block-major; with independent random queries,
+    # 26.8 against 56.5, 3,485 us against 2,665 us. Block-major costs the same in both; the union kernel about
+    # 185 us + 123 us per page of a block's union. They meet at 20.1 / 56.5 = 0.356 pages per pair: an
+    # interpolation between the two measured points, not a measured crossover.
+    union = AttentionTiles(bt=4, pages_per_split=4 * topk, num_stages=3, key_tile=64)
+    return AttentionTiles(bt=4, pages_per_split=4 * topk, num_stages=2, block_major=16, union=union,
+                          union_max_page_ratio=0.356)
 
 
 def dense_tiles(num_tokens: int, num_rows: int, pages_per_row: int, num_kv_heads: int,
@@ -110,6 +124,8 @@ def dense_tiles(num_tokens: int, num_rows: int, pages_per_row: int, num_kv_heads
         want_splits = max(1, 16 * NUM_SMS // max(1, num_rows * num_kv_heads))
         per_split = max(16, _pow2_at_least(-(-pages_per_row // want_splits)))
         return AttentionTiles(bt=_pow2_at_least(rows), pages_per_split=per_split)
-    # M = 128 rows: the flash-attention forward shape (M = 256 exceeds the 227 KB of shared memory).
+    # M = 128 rows: the flash-attention forward shape (M = 256 exceeds the 227 KB of shared memory). 3 stages:
+    # 8k chunk, kernel-busy, two cases in one run, 2,697 / 2,720 us against 2,883 / 2,907 us with 2
+    # (attention-h200-prefill-4.json; before the unmasked whole-page loop, 2 stages had measured faster).
     bt = _pow2_at_least(max(1, 128 // heads_per_group))
-    return AttentionTiles(bt=bt, pages_per_split=pages_per_row, num_warps=8, num_stages=2)
+    return AttentionTiles(bt=bt, pages_per_split=pages_per_row, num_warps=8, num_stages=3)

@@ -266,28 +266,50 @@ def union_page_lists(blocks_TGN: jax.Array, qbs: QueryBlocks, bt: int) -> tuple[
     return blk_QGL, jnp.sum(blk_QGL != _NO_BLOCK, axis=-1).astype(jnp.int32)
 
 
+def union_prefers(blocks_TGN: jax.Array, count_QG: jax.Array, max_page_ratio: float) -> jax.Array:
+    """Whether the union kernel should run (a device bool): the query blocks' unions hold at most `max_page_ratio`
+    pages per selected (token, group, block) pair (AttentionTiles.union_max_page_ratio)."""
+    selected = jnp.sum(blocks_TGN >= 0, dtype=jnp.int32)
+    return jnp.sum(count_QG, dtype=jnp.int32).astype(jnp.float32) <= max_page_ratio * selected.astype(jnp.float32)
+
+
 def paged_block_sparse_attention(q_THD: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                                  page_table_RP: jax.Array, token_row_T: jax.Array, pos_T: jax.Array,
                                  blocks_TGN: jax.Array, *, scale: float, tiles: AttentionTiles,
                                  interpret: bool = False, heads_major: bool = False) -> jax.Array:
     """Kernel version of `msa.reference.paged_block_sparse_attention`. A token's selected ids are distinct apart
     from -1 padding (what `paged_select_blocks` produces); with one token per program duplicates are not merged.
-    `heads_major`: pages laid out [pages, K, page_size, hd] (an experiment against KVPages' layout)."""
-    if tiles.block_major:
-        return block_major_attention(q_THD, k_pages, v_pages, page_table_RP, token_row_T, pos_T, blocks_TGN,
-                                     scale=scale, tiles=tiles, interpret=interpret)
-    bt = tiles.bt
-    qbs = query_blocks(token_row_T, pos_T, bt=bt, num_rows=page_table_RP.shape[0])
+    `heads_major`: pages laid out [pages, K, page_size, hd] (an experiment against KVPages' layout).
+
+    Block-major tiles with a `union` alternative pick between the two kernels on the device, by how much the
+    tokens of a query block share their selections (`union_prefers`): the same selections cost the union kernel
+    more the less they overlap, while block-major costs about the same either way."""
     blocks_TGN = blocks_TGN.astype(jnp.int32)
-    if bt == 1:
+    R = page_table_RP.shape[0]
+    kv = (q_THD, k_pages, v_pages, page_table_RP)
+
+    def block_major() -> jax.Array:
+        return block_major_attention(*kv, token_row_T, pos_T, blocks_TGN, scale=scale, tiles=tiles,
+                                     interpret=interpret)
+
+    def union(u: AttentionTiles, qbs: QueryBlocks, page_list: jax.Array, count: jax.Array,
+              per_token: jax.Array | None) -> jax.Array:
+        return ragged_paged_attention(*kv, pos_T, qbs, scale=scale, tiles=u, page_list_QGL=page_list,
+                                      count_QG=count, blocks_TGN=per_token, interpret=interpret,
+                                      heads_major=heads_major)
+
+    if tiles.block_major and tiles.union is None:
+        return block_major()
+    u = tiles.union if tiles.block_major else tiles
+    qbs = query_blocks(token_row_T, pos_T, bt=u.bt, num_rows=R)
+    if u.bt == 1:
         # One token per program and query block q == token q: the selection itself is the page list
         # (-1 entries are masked in the kernel), no sort needed on the decode path.
         T, G, N = blocks_TGN.shape
         assert qbs.num_blocks == T
-        page_list, count, per_token = blocks_TGN, jnp.full((T, G), N, jnp.int32), None
-    else:
-        page_list, count = union_page_lists(blocks_TGN, qbs, bt)
-        per_token = blocks_TGN
-    return ragged_paged_attention(q_THD, k_pages, v_pages, page_table_RP, pos_T, qbs, scale=scale, tiles=tiles,
-                                  page_list_QGL=page_list, count_QG=count, blocks_TGN=per_token,
-                                  interpret=interpret, heads_major=heads_major)
+        return union(u, qbs, blocks_TGN, jnp.full((T, G), N, jnp.int32), None)
+    page_list, count = union_page_lists(blocks_TGN, qbs, u.bt)
+    if not tiles.block_major:
+        return union(u, qbs, page_list, count, blocks_TGN)
+    return lax.cond(union_prefers(blocks_TGN, count, tiles.union_max_page_ratio),
+                    lambda: union(u, qbs, page_list, count, blocks_TGN), block_major)

@@ -524,8 +524,8 @@ def _index_variants(kind: str, context: int, base: IndexTiles) -> list[IndexTile
             return []
         # (attention-h200-prefill-1/-2/-3.json: bt 32 / 64, the fused top-k and half-page dots, which IndexTiles
         # no longer offers, were all slower than the table's bt 16: 167-305 against 164 us.)
-        # (attention-h200-prefill-4.json: 16 pages per program beat 8; 8 warps were slower.)
-        return [r(base, bp=8), r(base, bp=32), r(base, num_stages=2)]
+        # (attention-h200-prefill-4/-5.json: 32 pages per program beat 16 and 8; 8 warps and 2 stages were slower.)
+        return [r(base, bp=16), r(base, bp=64)]
     if VARIANTS == "final":
         # The top-k inside the scoring kernel (no second launch) or as a second launch, and longer page streams
         # per program. (8 or 2 rows per top-k program were timed too, attention-h200-final.json: no better;

@@ -276,7 +276,11 @@ def test_dispatch_prefill_chunk_picks_block_major_or_union(monkeypatch, selectio
         blocks = blocks[np.arange(T) // tiles.union.bt * tiles.union.bt]
     qbs = query_blocks(batch.token_row, batch.positions, bt=tiles.union.bt, num_rows=batch.page_table.shape[0])
     _, count = msa_kernel.union_page_lists(blocks, qbs, tiles.union.bt)
-    assert bool(msa_kernel.union_prefers(blocks, count, tiles.union_max_page_ratio)) == (selections == "shared")
+    ratio = int(count.sum()) / int((np.asarray(blocks) >= 0).sum())
+    for r, want in ((ratio, True), (ratio - 1e-3, False)):  # the predicate counts the union lists' pages exactly
+        assert bool(msa_kernel.union_prefers(blocks, qbs, tiles.union.bt, r)) == want
+    assert bool(msa_kernel.union_prefers(blocks, qbs, tiles.union.bt, tiles.union_max_page_ratio)) == (
+        selections == "shared")
     q = _normal(rng, T, H, D)
     kp, vp = (_normal(rng, NUM_PAGES, PS, K, D) for _ in range(2))
     got = dispatch.paged_block_sparse_attention(q, kp, vp, *args, blocks, scale=SCALE)

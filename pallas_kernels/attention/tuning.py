@@ -80,10 +80,11 @@ def index_tiles(num_tokens: int, num_rows: int, pages_per_row: int, index_heads:
         topk = "fused" if pages_per_row <= FUSED_TOPK_MAX_PAGES else "pallas"
         return IndexTiles(bt=max(min_bt, _pow2_at_least(rows)), bp=min(64, max(8, _pow2_at_least(want))),
                           topk=topk, block_tokens=1 if num_tokens <= num_rows else None)
-    # Prefill: compute-bound; M = 64 rows per dot (8k chunk: 180 us vs 237 us at M = 128), 16 pages per program
-    # (8k chunk, kernel-busy, two cases in one run: 146.5 / 147.9 us against 153.7 / 152.3 us with 8 pages,
-    # benchmarks/results/attention-h200-prefill-4.json).
-    return IndexTiles(bt=max(min_bt, _pow2_at_least(max(1, 64 // index_heads))), bp=16)
+    # Prefill: compute-bound; M = 64 rows per dot (8k chunk: 180 us vs 237 us at M = 128), 32 pages per program
+    # (8k chunk, kernel-busy: 16 pages 146.5 / 147.9 us against 153.7 / 152.3 us with 8 in two cases of one run,
+    # attention-h200-prefill-4.json; 32 pages 133.2-133.7 us against 145.6-146.7 us with 16 in three cases of the
+    # next, attention-h200-prefill-5.json).
+    return IndexTiles(bt=max(min_bt, _pow2_at_least(max(1, 64 // index_heads))), bp=32)
 
 
 def sparse_tiles(num_tokens: int, num_rows: int, topk: int, heads_per_group: int) -> AttentionTiles:
@@ -108,7 +109,10 @@ def sparse_tiles(num_tokens: int, num_rows: int, topk: int, heads_per_group: int
     # pairs, and the union kernel takes 2,090 us against 2,647 us block-major; with independent random queries,
     # 26.8 against 56.5, 3,485 us against 2,665 us. Block-major costs the same in both; the union kernel about
     # 185 us + 123 us per page of a block's union. They meet at 20.1 / 56.5 = 0.356 pages per pair: an
-    # interpolation between the two measured points, not a measured crossover.
+    # interpolation between the two measured points, not a measured crossover. The next run
+    # (attention-h200-prefill-5.json) timed the choice: it took union at 0.276 pages per pair (64-token drift)
+    # and 0.274 (256), 2,110 / 2,103 us against 2,098 / 2,096 forced, and block-major at 0.475 (random),
+    # 2,732 us against 2,649 forced (the union page lists' sorts, computed for the predicate then).
     union = AttentionTiles(bt=4, pages_per_split=4 * topk, num_stages=3, key_tile=64)
     return AttentionTiles(bt=4, pages_per_split=4 * topk, num_stages=2, block_major=16, union=union,
                           union_max_page_ratio=0.356)

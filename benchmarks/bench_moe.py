@@ -69,6 +69,14 @@ def candidates(T: int, fmt: str) -> list[MoeTiles]:
         # Narrower down tiles: twice the programs without the partials.
         out += [base.replace(dn=dataclasses.replace(base.dn, bn=64, split=d)) for d in (1, 2)]
         out.append(base.replace(gu=dataclasses.replace(base.gu, split=1), dn=dataclasses.replace(base.dn, split=1)))
+    if reg == "mid" and fmt != "dense":
+        # 8-warp MX tiles at mid size. The 4-warp table entry compiles (offline sm_90) to one 4-warp program per
+        # SM: a 64-row gate_up takes the wgmma path, whose widened weights go back through shared memory, and
+        # needs 172 registers and 123 KB. These run two 8-warp programs per SM on mma.sync with the weights
+        # widened in registers, warps splitting N (no warp widens another's columns).
+        g8, d8 = k(64, 128, 8, 3), k(128, 128, 8, 3)
+        out += [base.replace(gu=g8, dn=k(64, 128, 8, 3)), base.replace(bm=32, gu=g8, dn=d8, tail_heights=(16,)),
+                base.replace(bm=16, gu=g8, dn=d8, tail_heights=())]
     if reg != "decode" and base.bm >= 32:
         # Short tail blocks (kernel._for_used_block): off or halves, then halves and quarters; first, so
         # --sweep-first 2 is that A/B/C.

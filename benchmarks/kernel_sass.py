@@ -273,6 +273,7 @@ def main() -> None:
     ap.add_argument("--capability", type=int, default=90)
     ap.add_argument("--clock-ghz", type=float, default=1.98, help="SM clock for the issue ceiling (H200 boost)")
     ap.add_argument("--sms", type=int, default=132)
+    ap.add_argument("--bm", type=int, help="row-block height (default: the table's)")
     ap.add_argument("--tail-heights", default="table",
                     help="MoeTiles.tail_heights: 'table', 'none' or rows like '32,64' (short tail blocks)")
     ap.add_argument("--dump", help="keep ttir / ttgir / ptx / sass here")
@@ -282,6 +283,8 @@ def main() -> None:
     tiles = pick_tiles(a.tokens, fmt)
     tiles = tiles.replace(gu=parse_tiles(a.gu, tiles.gu), dn=parse_tiles(a.dn, tiles.dn),
                           mx_mode=a.mx_mode or tiles.mx_mode)
+    if a.bm:
+        tiles = tiles.replace(bm=a.bm)
     if a.tail_heights != "table":
         tiles = tiles.replace(tail_heights=() if a.tail_heights == "none"
                               else tuple(int(h) for h in a.tail_heights.split(",")))

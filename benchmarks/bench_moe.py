@@ -77,6 +77,12 @@ def candidates(T: int, fmt: str) -> list[MoeTiles]:
         g8, d8 = k(64, 128, 8, 3), k(128, 128, 8, 3)
         out += [base.replace(gu=g8, dn=k(64, 128, 8, 3)), base.replace(bm=32, gu=g8, dn=d8, tail_heights=(16,)),
                 base.replace(bm=16, gu=g8, dn=d8, tail_heights=())]
+    if reg == "prefill" and fmt != "dense":
+        # The mid-size MXFP8 lesson at prefill size: 64 rows at 8 warps and 3 stages fit two programs per SM
+        # (offline sm_90: 116 / 83 registers), against one for the table's 128-row blocks.
+        out.append(base.replace(bm=64, tail_heights=(32,), gu=k(64, 128, 8, 3), dn=k(64, 128, 8, 3)))
+    if reg == "mid" and fmt == "mxfp4":
+        out.append(base.replace(gu=k(64, 128, 8, 3), dn=k(128, 128, 8, 3)))
     if reg != "decode" and base.bm >= 32:
         # Short tail blocks (kernel._for_used_block): off or halves, then halves and quarters; first, so
         # --sweep-first 2 is that A/B/C.
@@ -99,7 +105,7 @@ def candidates(T: int, fmt: str) -> list[MoeTiles]:
                 base.replace(gu=k(64, 128, 4, 3), dn=k(128, 128, 4, 3)),
                 base.replace(gu=k(32, 128, 8, 3), dn=k(64, 128, 8, 3)),
                 base.replace(gu=k(32, 128, 4, 4), dn=k(64, 128, 4, 4))]
-        return [c for c in out if c is not None]
+        return [c for c in dict.fromkeys(out) if c is not None and c != base]
     if reg == "decode":
         out += [base.replace(gu=k(32, 128, 4, 4), dn=k(64, 128, 4, 4)) if T <= 8 else
                 base.replace(gu=k(128, 128, 4, 4), dn=k(128, 128, 4, 4)),
@@ -120,7 +126,7 @@ def candidates(T: int, fmt: str) -> list[MoeTiles]:
             out += [base.replace(gu=g3), base.replace(dn=k(256, 64, 8, 4))]
         else:
             out += [base.replace(gu=k(64, 128, 8, 3), dn=k(128, 128, 8, 3))]
-    return [c for c in out if c is not None]
+    return [c for c in dict.fromkeys(out) if c is not None and c != base]
 
 
 def tiles_dict(t: MoeTiles) -> dict[str, Any]:
@@ -430,7 +436,7 @@ def main() -> None:
                     f"{rec.get('error', '')[:200]}")
 
     if args.sweep and not args.interpret:
-        sweep_fmts = [f for f in ("bf16", "mxfp8") if f in experts_by_fmt]
+        sweep_fmts = [f for f in ("bf16", "mxfp8", "mxfp4") if f in experts_by_fmt]
         # Most telling first (the targets: decode and the largest prefill), so that a deadline cut loses the least.
         order = [(1, "mxfp8"), (32, "mxfp8"), (128, "mxfp8"), (8, "mxfp8"), (8192, "bf16"), (1, "bf16"),
                  (2048, "bf16"), (512, "bf16"), (8192, "mxfp8"), (2048, "mxfp8"), (32, "bf16"), (128, "bf16"),

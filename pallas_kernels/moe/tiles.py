@@ -100,9 +100,14 @@ GPU_TABLE: dict[tuple[str, str], MoeTiles] = {
     # the 32-row MXFP4 blocks, so off there.
     ("mid", "dense"): MoeTiles("mid", bm=64, gu=_K(bn=64, bk=128, warps=4, stages=4),
                                dn=_K(bn=128, bk=128, warps=4, stages=4), group=8, tail_heights=(32,)),
-    ("mid", "mxfp8"): MoeTiles("mid", bm=64, gu=_K(bn=64, bk=128, warps=4, stages=4),
-                               dn=_K(bn=128, bk=128, warps=4, stages=4), group=8, mx_mode="expand_asm",
-                               tail_heights=(32,)),
+    # MXFP8 mid: 32-row blocks, 8 warps (warps split N, so no warp widens another's weight columns) and 3 stages,
+    # two programs per SM. The 64-row 4-warp entry it replaces built to one 4-warp program per SM (wgmma, widened
+    # weights back through shared memory, 172 registers). Same process, kernel-busy: T = 512 2.445 against
+    # 6.852 ms, T = 2048 6.305 against 13.146 ms; 64 rows at 8 warps 3.743 / 11.20, 16 rows 2.989 / 8.988 ms
+    # (benchmarks/results/moe-h200-mid-mx8.json).
+    ("mid", "mxfp8"): MoeTiles("mid", bm=32, gu=_K(bn=64, bk=128, warps=8, stages=3),
+                               dn=_K(bn=128, bk=128, warps=8, stages=3), group=8, mx_mode="expand_asm",
+                               tail_heights=(16,)),
     # The 64-row MXFP4 down kernel spills at 4 warps; 32 rows do not.
     ("mid", "mxfp4"): MoeTiles("mid", bm=32, gu=_K(bn=64, bk=128, warps=4, stages=4),
                                dn=_K(bn=128, bk=128, warps=4, stages=4), group=8),

@@ -53,16 +53,10 @@ def candidates(T: int, fmt: str) -> list[MoeTiles]:
     base = pick_tiles(T, fmt)
     reg = regime(T)
     out: list[MoeTiles] = []
-    if T == 1 and fmt != "dense":
-        # Twice-wide tiles, K split to keep 240 programs: each warp makes 16 columns instead of 8, so the x
-        # fragments (loaded and re-packed per warp) serve twice the widened weights. Offline sm_90: gate_up 0.106
-        # against 0.161 warp-issue slots per weight element, down 0.130 against 0.158.
-        r = dataclasses.replace
-        wide_gu, wide_dn = r(base.gu, bn=2 * base.gu.bn, split=2), r(base.dn, bn=2 * base.dn.bn, split=2)
-        out += [base.replace(gu=wide_gu), base.replace(gu=wide_gu, dn=wide_dn), base.replace(dn=wide_dn),
-                base.replace(gu=r(wide_gu, stages=4), dn=r(wide_dn, stages=4))]
     if T == 1:
         # Split K: one token's 5 slots make few output tiles (240 programs for 132 SMs at the table's tiles).
+        # (Twice-wide MX tiles with K split in two, so that x serves twice the widened weights per warp, were
+        # slower: gate_up 77 against 54 us, moe-h200-t1-wide.json.)
         out += [base.replace(gu=dataclasses.replace(base.gu, split=g), dn=dataclasses.replace(base.dn, split=d))
                 for g, d in ((2, 2), (3, 3), (2, 1), (1, 2), (1, 3), (1, 4), (1, 6)) if (g, d) != (base.gu.split,
                                                                                               base.dn.split)]
@@ -81,8 +75,6 @@ def candidates(T: int, fmt: str) -> list[MoeTiles]:
         # The mid-size MXFP8 lesson at prefill size: 64 rows at 8 warps and 3 stages fit two programs per SM
         # (offline sm_90: 116 / 83 registers), against one for the table's 128-row blocks.
         out.append(base.replace(bm=64, tail_heights=(32,), gu=k(64, 128, 8, 3), dn=k(64, 128, 8, 3)))
-    if reg == "mid" and fmt == "mxfp4":
-        out.append(base.replace(gu=k(64, 128, 8, 3), dn=k(128, 128, 8, 3)))
     if reg != "decode" and base.bm >= 32:
         # Short tail blocks (kernel._for_used_block): off or halves, then halves and quarters; first, so
         # --sweep-first 2 is that A/B/C.

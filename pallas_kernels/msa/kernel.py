@@ -280,8 +280,8 @@ def union_prefers(blocks_TGN: jax.Array, qbs: QueryBlocks, bt: int, max_page_rat
     L = sel_QGL.shape[-1]
     earlier = jnp.arange(L)[:, None] > jnp.arange(L)[None, :]  # [i, j]: j comes before i
     seen = jnp.any((sel_QGL[..., :, None] == sel_QGL[..., None, :]) & earlier, axis=-1)
-    pages = jnp.sum((sel_QGL != _NO_BLOCK) & ~seen, dtype=jnp.int32)
-    selected = jnp.sum(blocks_TGN >= 0, dtype=jnp.int32)
+    real = sel_QGL != _NO_BLOCK
+    pages, selected = jnp.sum(real & ~seen, dtype=jnp.int32), jnp.sum(real, dtype=jnp.int32)
     return pages.astype(jnp.float32) <= max_page_ratio * selected.astype(jnp.float32)
 
 
@@ -297,31 +297,31 @@ def paged_block_sparse_attention(q_THD: jax.Array, k_pages: jax.Array, v_pages: 
     tokens of a query block share their selections (`union_prefers`): the same selections cost the union kernel
     more the less they overlap, while block-major costs about the same either way."""
     blocks_TGN = blocks_TGN.astype(jnp.int32)
-    R = page_table_RP.shape[0]
     kv = (q_THD, k_pages, v_pages, page_table_RP)
 
     def block_major() -> jax.Array:
         return block_major_attention(*kv, token_row_T, pos_T, blocks_TGN, scale=scale, tiles=tiles,
                                      interpret=interpret)
 
-    def union(u: AttentionTiles, qbs: QueryBlocks, page_list: jax.Array, count: jax.Array,
-              per_token: jax.Array | None) -> jax.Array:
+    if tiles.block_major and tiles.union is None:
+        return block_major()
+    u = tiles.union if tiles.block_major else tiles  # the query-block kernel's tiles
+    qbs = query_blocks(token_row_T, pos_T, bt=u.bt, num_rows=page_table_RP.shape[0])
+
+    def union(page_list: jax.Array, count: jax.Array, per_token: jax.Array | None) -> jax.Array:
         return ragged_paged_attention(*kv, pos_T, qbs, scale=scale, tiles=u, page_list_QGL=page_list,
                                       count_QG=count, blocks_TGN=per_token, interpret=interpret,
                                       heads_major=heads_major)
 
-    if tiles.block_major and tiles.union is None:
-        return block_major()
-    u = tiles.union if tiles.block_major else tiles
-    qbs = query_blocks(token_row_T, pos_T, bt=u.bt, num_rows=R)
     if u.bt == 1:
         # One token per program and query block q == token q: the selection itself is the page list
         # (-1 entries are masked in the kernel), no sort needed on the decode path.
         T, G, N = blocks_TGN.shape
         assert qbs.num_blocks == T
-        return union(u, qbs, blocks_TGN, jnp.full((T, G), N, jnp.int32), None)
+        return union(blocks_TGN, jnp.full((T, G), N, jnp.int32), None)
+
     def union_of_blocks() -> jax.Array:
-        return union(u, qbs, *union_page_lists(blocks_TGN, qbs, u.bt), blocks_TGN)
+        return union(*union_page_lists(blocks_TGN, qbs, u.bt), blocks_TGN)
 
     if not tiles.block_major:
         return union_of_blocks()

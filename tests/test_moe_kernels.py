@@ -97,8 +97,12 @@ def test_mxfp4_rule_and_packing() -> None:
 def test_mx_kernel_layout_round_trip() -> None:
     codes = np.random.default_rng(2).integers(0, 16, size=(2, 8, 256)).astype(np.uint8)  # [S, N, K]
     packed = mx.pack_e2m1(codes)
-    kq, ks = layout.mxfp4_from_checkpoint(jnp.asarray(packed), jnp.zeros((2, 8, 8), jnp.uint8))
-    assert kq.shape == (2, 128, 8) and kq.dtype == jnp.uint8 and ks.shape == (2, 8, 8)
+    scales = np.random.default_rng(4).integers(0, 256, size=(2, 8, 8)).astype(np.uint8)  # [S, N, K/32]
+    kq, ks = layout.mxfp4_from_checkpoint(jnp.asarray(packed), jnp.asarray(scales))
+    assert kq.shape == (2, 128, 8) and kq.dtype == jnp.uint8 and ks.shape == (2, 2, 8) and ks.dtype == jnp.uint32
+    # Scale word g of a column: the 4 block scales of K group g, block 4g + j in byte j.
+    np.testing.assert_array_equal((np.asarray(ks)[1, 1, 5] >> (8 * np.arange(4))) & 0xFF, scales[1, 5, 4:8])
+    np.testing.assert_array_equal(np.asarray(layout.unpack_scales(ks)), np.swapaxes(scales, 1, 2))
     # Word r of each 128-group: element r low, r + 64 high.
     b = np.asarray(kq)[0, :, 0]
     np.testing.assert_array_equal(b[:64] & 0xF, codes[0, 0, :64])

@@ -167,12 +167,6 @@ def _k_steps(k: int, kt: KernelTiles, s: jax.Array) -> tuple[jax.Array, jax.Arra
     return s * per, (s + 1) * per
 
 
-def _expand_rows(s_RN: jax.Array, rep: int) -> jax.Array:
-    """[R, N] -> [R * rep, N], each row repeated `rep` times (a block scale over its 32 K rows)."""
-    r, n = s_RN.shape
-    return jnp.broadcast_to(s_RN[:, None, :], (r, rep, n)).reshape(r * rep, n)
-
-
 def _dot(x: jax.Array, w: jax.Array) -> jax.Array:
     return jnp.dot(x, w, preferred_element_type=jnp.float32)
 
@@ -185,43 +179,35 @@ def _mac(acc: jax.Array, x_ref, rows: pl.Slice | jax.Array, k0: jax.Array, w_ref
     cols = pl.ds(col0, bn)
     if fmt == "dense":
         return acc + _dot(x_ref[rows, pl.ds(k0, bk)], w_refs[0][slot, pl.ds(k0, bk), cols].astype(cdt))
-    # MX: word r of each 128-group of K holds element r (low half) and r + 64 (high half); layout.py.
+    # MX: word r of each 128-group of K holds element r (low half) and r + 64 (high half), and one uint32 holds
+    # the group's four block scales per column (layout.py). A group is worked as 4 pieces of 32 K elements: piece
+    # (c, h) is words [32c, 32c + 32) of the group, half h, i.e. K block 2h + c with x columns 64h + 32c onwards.
     q_ref, s_ref = w_refs
     bits = 8 if fmt == "mxfp8" else 4
-    mask = (1 << bits) - 1
     half = layout.MX_GROUP // 2
-
-    def halves(rows_k: pl.Slice) -> tuple[jax.Array, jax.Array]:
-        word = q_ref[slot, rows_k, cols].astype(jnp.int32)
-        return word & mask, word >> bits
-
     for g in range(bk // layout.MX_GROUP):
         kg = k0 + g * layout.MX_GROUP
-        sb = kg // mx.BLOCK  # first scale row of the group
-        if mx_mode == "expand_asm" and fmt == "mxfp8":
-            # Each half widened by inline PTX (layout.e4m3_pair_widening_ptx): 4 bit ops and a packed bf16
-            # multiply per pair of elements, against ~4.6 conversion and bit ops per element the plain way.
-            word = q_ref[slot, pl.ds(kg // 2, half), cols]
+        s_word = s_ref[slot, pl.ds(kg // layout.MX_GROUP, 1), cols]  # [1, bn] uint32
+        for c in range(2):
+            word = q_ref[slot, pl.ds(kg // 2 + c * mx.BLOCK, mx.BLOCK), cols]  # [32, bn]
             for h in range(2):
-                s = _expand_rows(layout.e4m3_bf16_scale(s_ref[slot, pl.ds(sb + 2 * h, 2), cols]), mx.BLOCK)
-                [w] = pltriton.elementwise_inline_asm(
-                    layout.e4m3_pair_widening_ptx(h), args=[word, s], constraints="=r,r,r", pack=2,
-                    result_shape_dtypes=[jax.ShapeDtypeStruct(word.shape, jnp.bfloat16)])
-                acc = acc + _dot(x_ref[rows, pl.ds(kg + h * half, half)], w.astype(cdt))
-        elif mx_mode in ("expand", "expand_asm"):  # expand_asm on MXFP4: no PTX path, the plain expand
-            # Widen a whole [64, bn] half tile (scale broadcast over its 32-row blocks), then one dot.
-            for h, code in enumerate(halves(pl.ds(kg // 2, half))):
-                s = mx.e8m0_to_f32(s_ref[slot, pl.ds(sb + 2 * h, 2), cols])
-                w = (layout.decode_codes(code, fmt) * _expand_rows(s, mx.BLOCK)).astype(cdt)
-                acc = acc + _dot(x_ref[rows, pl.ds(kg + h * half, half)], w)
-        else:
-            # "subdot": widen straight to the compute dtype, one dot per 32-row scale block, scale its result.
-            for c in range(2):
-                for h, code in enumerate(halves(pl.ds(kg // 2 + c * mx.BLOCK, mx.BLOCK))):
-                    piece = 2 * h + c  # which 32-block of the group these K elements are
-                    s = mx.e8m0_to_f32(s_ref[slot, pl.ds(sb + piece, 1), cols])
-                    w = layout.decode_codes(code, fmt, cdt)
-                    acc = acc + _dot(x_ref[rows, pl.ds(kg + piece * mx.BLOCK, mx.BLOCK)], w) * s
+                s_byte = (s_word >> (8 * (2 * h + c))) & 0xFF  # [1, bn]: broadcast over the piece's 32 rows
+                x = x_ref[rows, pl.ds(kg + h * half + c * mx.BLOCK, mx.BLOCK)]
+                if mx_mode == "expand_asm" and fmt == "mxfp8":
+                    # Widened by inline PTX (layout.e4m3_pair_widening_ptx): 3 bit ops and a packed bf16
+                    # multiply per pair of elements, against ~4.6 conversion and bit ops per element the plain way.
+                    s = jnp.broadcast_to(layout.e4m3_bf16_scale(s_byte), word.shape)
+                    [w] = pltriton.elementwise_inline_asm(
+                        layout.e4m3_pair_widening_ptx(h), args=[word, s], constraints="=r,r,r", pack=2,
+                        result_shape_dtypes=[jax.ShapeDtypeStruct(word.shape, jnp.bfloat16)])
+                    acc = acc + _dot(x, w.astype(cdt))
+                    continue
+                code = (word.astype(jnp.int32) >> (bits * h)) & ((1 << bits) - 1)
+                if mx_mode in ("expand", "expand_asm"):  # expand_asm on MXFP4: no PTX path, the plain expand
+                    w = (layout.decode_codes(code, fmt) * mx.e8m0_to_f32(s_byte)).astype(cdt)
+                    acc = acc + _dot(x, w)
+                else:  # "subdot": widen straight to the compute dtype, scale the piece's dot result
+                    acc = acc + _dot(x, layout.decode_codes(code, fmt, cdt)) * mx.e8m0_to_f32(s_byte)
     return acc
 
 
@@ -419,7 +405,7 @@ def kernel_tiles(num_tokens: int, experts: dict, *, tiles: MoeTiles | None = Non
     """The tiles for this call (the table's, fitted to the shapes), or None when the kernels cannot run it."""
     fmt = layout.weight_format(experts)
     gate = layout.weight_arrays(experts, "gate")
-    d_model = gate[1].shape[1] * mx.BLOCK if fmt != "dense" else gate[0].shape[1]
+    d_model = gate[1].shape[1] * layout.MX_GROUP if fmt != "dense" else gate[0].shape[1]
     d_ff = gate[0].shape[-1]
     tiles = tiles or pick_tiles(num_tokens, fmt, interpret=interpret)
     if tiles.mx_mode == "expand_asm" and layout.WIDE_SCALES in experts:

@@ -6,9 +6,9 @@ when the shared expert has the routed width, one more slot (index E) holding the
 kernels then treat as an always-selected expert of weight 1. Per format:
 
   dense   {"gate", "up", "down"}: float arrays (bf16 on the GPU).
-  mxfp8   {"gate_q8", "gate_s", ...}: uint16 `[S, K/2, N]` pairs of float8_e4m3fn bytes, E8M0 uint8 scales
-          `[S, K/32, N]`.
-  mxfp4   {"gate_q4", "gate_s", ...}: uint8 `[S, K/2, N]` pairs of E2M1 nibbles, E8M0 scales `[S, K/32, N]`.
+  mxfp8   {"gate_q8", "gate_s", ...}: uint16 `[S, K/2, N]` pairs of float8_e4m3fn bytes, E8M0 scales packed
+          four to a uint32 `[S, K/128, N]` (byte j of word g: the scale of K block 4g + j).
+  mxfp4   {"gate_q4", "gate_s", ...}: uint8 `[S, K/2, N]` pairs of E2M1 nibbles, scales packed as for mxfp8.
 
 Pair packing (both MX formats): a checkpoint packs K neighbours (2i, 2i+1) into one byte (MXFP4), which a
 kernel would have to interleave back along K. Instead K is cut into groups of 128 and word r of a group holds
@@ -17,6 +17,11 @@ the group and the high halves with columns [64, 128): contiguous loads, no shuff
 multiple of 128. MXFP8 is paired the same way, into 16-bit words, for a reason outside the format: Pallas'
 Triton lowering indexes arrays under 4 GiB with 32-bit element offsets, which wrap for a 1-byte array of more
 than 2^31 elements (M3's stacked fp8 gate is 2.4e9), so the 8-bit weights travel as half as many 16-bit words.
+
+Scale packing: a kernel step reads the four block scales of each 128-group per column. As single bytes those
+loads are too narrow for Triton's asynchronous copies (4 bytes at least), so they were plain global loads that
+every K step waited on (seen in the sm_90 build: one LDG.U8 per half group, then a shared-memory round trip and a
+barrier to broadcast them). One 32-bit word per (group, column) is pipelined with the weight tiles.
 """
 
 from __future__ import annotations
@@ -90,14 +95,33 @@ def pair_unpack(words_SK2N: jax.Array, fmt: str) -> jax.Array:
     return jnp.stack([g & mask, g >> _BITS[fmt]], axis=-2).reshape(*lead, n, 2 * k2)
 
 
+SCALES_PER_WORD = MX_GROUP // mx.BLOCK  # 4 block scales of a 128-group in one uint32
+
+
+def pack_scales(scale_SNKb: jax.Array) -> jax.Array:
+    """E8M0 bytes `[S, N, K/32]` -> kernel scale words uint32 `[S, K/128, N]` (see above)."""
+    *lead, n, kb = scale_SNKb.shape
+    assert kb % SCALES_PER_WORD == 0, f"MX kernel layout needs K={kb * mx.BLOCK} a multiple of {MX_GROUP}"
+    b = scale_SNKb.astype(jnp.uint32).reshape(*lead, n, kb // SCALES_PER_WORD, SCALES_PER_WORD)
+    words = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)
+    return _kn(words)
+
+
+def unpack_scales(words_SKgN: jax.Array) -> jax.Array:
+    """Kernel scale words `[S, K/128, N]` -> E8M0 bytes `[S, K/32, N]` (uint8)."""
+    *lead, kg, n = words_SKgN.shape
+    b = jnp.stack([(words_SKgN >> (8 * j)) & 0xFF for j in range(SCALES_PER_WORD)], axis=-2)
+    return b.reshape(*lead, kg * SCALES_PER_WORD, n).astype(jnp.uint8)
+
+
 def mxfp8_from_checkpoint(fp8_SNK: jax.Array, scale_SNKb: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Checkpoint MXFP8 (`[S, N, K]` float8_e4m3fn + `[S, N, K/32]`, HF Linear layout) -> kernel layout."""
-    return pair_pack(jax.lax.bitcast_convert_type(fp8_SNK, jnp.uint8), "mxfp8"), _kn(scale_SNKb)
+    return pair_pack(jax.lax.bitcast_convert_type(fp8_SNK, jnp.uint8), "mxfp8"), pack_scales(scale_SNKb)
 
 
 def mxfp4_from_checkpoint(packed_SNK2: jax.Array, scale_SNKb: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Checkpoint MXFP4 (`[S, N, K/2]`, element 2i low nibble, + `[S, N, K/32]`) -> kernel layout."""
-    return pair_pack(mx.unpack_e2m1_jnp(packed_SNK2), "mxfp4"), _kn(scale_SNKb)
+    return pair_pack(mx.unpack_e2m1_jnp(packed_SNK2), "mxfp4"), pack_scales(scale_SNKb)
 
 
 def decode_codes(codes: jax.Array, fmt: str, dtype: jnp.dtype = jnp.float32) -> jax.Array:
@@ -132,7 +156,7 @@ def mark_wide_scales(experts: dict) -> dict:
     host sync per layer: for load time, not the serving loop)."""
     if weight_format(experts) != "mxfp8":
         return experts
-    top = max(int(jnp.max(experts[f"{m}_s"])) for m in MATS)
+    top = max(int(jnp.max(unpack_scales(experts[f"{m}_s"]))) for m in MATS)
     return dict(experts, **{WIDE_SCALES: jnp.zeros((0,), jnp.uint8)}) if top > E4M3_BF16_MAX_SCALE else experts
 
 
@@ -182,7 +206,7 @@ def dequantize_experts(experts: dict, dtype: jnp.dtype = jnp.float32) -> dict:
             continue
         words, scale = weight_arrays(experts, mat)
         vals = decode_codes(pair_unpack(words, fmt), fmt)
-        vals = vals.reshape(*vals.shape[:-1], -1, mx.BLOCK) * mx.e8m0_to_f32(_kn(scale))[..., None]
+        vals = vals.reshape(*vals.shape[:-1], -1, mx.BLOCK) * mx.e8m0_to_f32(_kn(unpack_scales(scale)))[..., None]
         out[mat] = _kn(vals.reshape(*vals.shape[:-2], -1)).astype(dtype)
     return out
 

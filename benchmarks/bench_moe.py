@@ -191,6 +191,8 @@ def main() -> None:
     ap.add_argument("--peak-tflops", type=float, default=790.0)
     ap.add_argument("--mx-modes", nargs="+", default=None,
                     help="MX formats: time these mx_modes too, each on the table's tiles (same weights and inputs)")
+    ap.add_argument("--mx-rows", type=int, nargs="+", default=None, choices=(32, 64),
+                    help="MX formats: time the table's tiles with these MoeTiles.mx_rows too")
     ap.add_argument("--layout-methods", nargs="+", default=None, choices=("compare", "argsort"),
                     help="also time the op with each sort_and_pad method forced (same tiles and inputs)")
     ap.add_argument("--sweep-cases", nargs="+", default=None, metavar="T:FORMAT",
@@ -310,7 +312,7 @@ def main() -> None:
 
         log(f"{op:12s} T={T:5d} {fmt:6s} bm={tiles.bm:3d}{_tails(tiles)} gu={kt(tiles.gu)} "
             f"dn={kt(tiles.dn)} g={tiles.group} "
-            f"{tiles.mx_mode:6s} {layout_method or '':7s} time={rec.get('time_s', 0) * 1e3:8.3f}ms "
+            f"{tiles.mx_mode:6s} r{tiles.mx_rows} {layout_method or '':7s} time={rec.get('time_s', 0) * 1e3:8.3f}ms "
             f"ratio={rec.get('ratio', 0):5.2f} "
             + (f"in-graph={rec['time_in_graph_s'] * 1e3:8.3f}ms ({rec['ratio_in_graph']:.2f}) "
                if "ratio_in_graph" in rec else "")
@@ -354,6 +356,9 @@ def main() -> None:
                 for mode in args.mx_modes or []:
                     if mode != tiles.mx_mode:
                         measure(T, name, experts, rp, tiles.replace(mx_mode=mode), ref_times.get(T), "moe_mx_mode")
+                for r in args.mx_rows or []:
+                    if r != tiles.mx_rows:
+                        measure(T, name, experts, rp, tiles.replace(mx_rows=r), ref_times.get(T), "moe_mx_rows")
         if args.sweep and name in ("bf16", "mxfp8"):
             rp_by_fmt[name] = rp  # the sweep checks each candidate against it too
         del rp

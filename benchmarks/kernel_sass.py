@@ -265,6 +265,7 @@ def main() -> None:
     ap.add_argument("--kernel", choices=["gate_up", "down", "both"], default="both")
     ap.add_argument("--format", choices=list(FORMATS), default="mxfp8")
     ap.add_argument("--mx-mode", default=None, help="the tiles' mx_mode (default: the table's)")
+    ap.add_argument("--mx-rows", type=int, default=None, choices=(32, 64), help="the tiles' mx_rows")
     ap.add_argument("--tokens", type=int, default=8, help="T (picks the regime's tiles and the row-block count)")
     ap.add_argument("--gu", help="gate_up tiles bn,bk,warps,stages[,split] (default: the table's)")
     ap.add_argument("--dn", help="down tiles bn,bk,warps,stages[,split] (default: the table's)")
@@ -282,7 +283,7 @@ def main() -> None:
     fmt = FORMATS[a.format]
     tiles = pick_tiles(a.tokens, fmt)
     tiles = tiles.replace(gu=parse_tiles(a.gu, tiles.gu), dn=parse_tiles(a.dn, tiles.dn),
-                          mx_mode=a.mx_mode or tiles.mx_mode)
+                          mx_mode=a.mx_mode or tiles.mx_mode, mx_rows=a.mx_rows or tiles.mx_rows)
     if a.bm:
         tiles = tiles.replace(bm=a.bm)
     if a.tail_heights != "table":

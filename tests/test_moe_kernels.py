@@ -191,12 +191,16 @@ def test_kernel_equals_reference(fmt: str, routing: str) -> None:
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5 * float(jnp.abs(want).max()))
 
 
+@pytest.mark.parametrize("variant", [{"mx_mode": "subdot"}, {"mx_rows": 64}])
 @pytest.mark.parametrize("fmt", ["mxfp8", "mxfp4"])
-def test_kernel_subdot_mode_equals_expand(fmt: str) -> None:
+def test_kernel_mx_variants_equal_expand(fmt: str, variant: dict) -> None:
+    """One dot per 32-row scale block (scaling the result, or the widened weights) computes what one dot per
+    64-row half with its two blocks' scales chosen per row computes."""
     p = prepare_moe(moe_params(5), fmt)
     h = hidden(6, 19)
+    assert INTERPRET_TILES.mx_rows == 32
     a = kernel.moe_pallas(h, p, interpret=True, tiles=INTERPRET_TILES, **KW)
-    b = kernel.moe_pallas(h, p, interpret=True, tiles=INTERPRET_TILES.replace(mx_mode="subdot"), **KW)
+    b = kernel.moe_pallas(h, p, interpret=True, tiles=INTERPRET_TILES.replace(**variant), **KW)
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5 * float(jnp.abs(a).max()))
 
 

@@ -171,8 +171,18 @@ def _dot(x: jax.Array, w: jax.Array) -> jax.Array:
     return jnp.dot(x, w, preferred_element_type=jnp.float32)
 
 
+def _piece_scales(s_word: jax.Array, h: int, c: int, rows: int) -> jax.Array:
+    """The E8M0 scale bytes of the `rows` weight words from row 32c of half h: [1, bn] for one 32-row block,
+    [64, bn] for a whole half (its two blocks' bytes, chosen per row in registers: no reshape, which Triton
+    would route through shared memory)."""
+    if rows == mx.BLOCK:
+        return (s_word >> (8 * (2 * h + c))) & 0xFF
+    first = jax.lax.broadcasted_iota(jnp.int32, (rows, s_word.shape[1]), 0) < mx.BLOCK
+    return jnp.where(first, (s_word >> (16 * h)) & 0xFF, (s_word >> (16 * h + 8)) & 0xFF)
+
+
 def _mac(acc: jax.Array, x_ref, rows: pl.Slice | jax.Array, k0: jax.Array, w_refs: tuple, slot: jax.Array,
-         col0: jax.Array, *, fmt: str, bn: int, bk: int, mx_mode: str) -> jax.Array:
+         col0: jax.Array, *, fmt: str, bn: int, bk: int, mx_mode: str, mx_rows: int) -> jax.Array:
     """acc += x[rows, k0:k0+bk] @ W[slot, k0:k0+bk, col0:col0+bn], W decoded from its format. `rows`: a slice of
     x's rows, or the [bm] row indices to gather (gate_up reads the tokens' hidden states in place)."""
     cdt = x_ref.dtype
@@ -180,19 +190,20 @@ def _mac(acc: jax.Array, x_ref, rows: pl.Slice | jax.Array, k0: jax.Array, w_ref
     if fmt == "dense":
         return acc + _dot(x_ref[rows, pl.ds(k0, bk)], w_refs[0][slot, pl.ds(k0, bk), cols].astype(cdt))
     # MX: word r of each 128-group of K holds element r (low half) and r + 64 (high half), and one uint32 holds
-    # the group's four block scales per column (layout.py). A group is worked as 4 pieces of 32 K elements: piece
-    # (c, h) is words [32c, 32c + 32) of the group, half h, i.e. K block 2h + c with x columns 64h + 32c onwards.
+    # the group's four block scales per column (layout.py): byte 2h + c scales words [32c, 32c + 32) of half h,
+    # i.e. K block 2h + c, x columns 64h + 32c onwards. A group is worked as 2 or 4 dots (`mx_rows`).
     q_ref, s_ref = w_refs
     bits = 8 if fmt == "mxfp8" else 4
     half = layout.MX_GROUP // 2
+    rows_per = mx.BLOCK if mx_mode == "subdot" else mx_rows  # subdot scales each dot's result: one block each
     for g in range(bk // layout.MX_GROUP):
         kg = k0 + g * layout.MX_GROUP
         s_word = s_ref[slot, pl.ds(kg // layout.MX_GROUP, 1), cols]  # [1, bn] uint32
-        for c in range(2):
-            word = q_ref[slot, pl.ds(kg // 2 + c * mx.BLOCK, mx.BLOCK), cols]  # [32, bn]
+        for c in range(half // rows_per):  # c: which 32-row piece of the words (none when a dot takes all 64)
+            word = q_ref[slot, pl.ds(kg // 2 + c * rows_per, rows_per), cols]  # [rows_per, bn]
             for h in range(2):
-                s_byte = (s_word >> (8 * (2 * h + c))) & 0xFF  # [1, bn]: broadcast over the piece's 32 rows
-                x = x_ref[rows, pl.ds(kg + h * half + c * mx.BLOCK, mx.BLOCK)]
+                s_byte = _piece_scales(s_word, h, c, rows_per)  # [1 or rows_per, bn]
+                x = x_ref[rows, pl.ds(kg + h * half + c * rows_per, rows_per)]
                 if mx_mode == "expand_asm" and fmt == "mxfp8":
                     # Widened by inline PTX (layout.e4m3_pair_widening_ptx): 3 bit ops and a packed bf16
                     # multiply per pair of elements, against ~4.6 conversion and bit ops per element the plain way.
@@ -227,8 +238,8 @@ def _for_used_block(slot: jax.Array, rows_ref, b: jax.Array, bm: int, heights: t
 
 
 def _gate_up_kernel(slot_ref, rows_ref, token_ref, x_ref, *refs, n_w: int, fmt: str, bm: int, kt: KernelTiles,
-                    nb: int, nt: int, group: int, mx_mode: str, tail_heights: tuple[int, ...], alpha: float,
-                    limit: float, interpret: bool):
+                    nb: int, nt: int, group: int, mx_mode: str, mx_rows: int, tail_heights: tuple[int, ...],
+                    alpha: float, limit: float, interpret: bool):
     g_refs, u_refs = refs[:n_w], refs[n_w:2 * n_w]
     o_ref = refs[-1] if kt.split == 1 else refs[-3]  # (split-K: count in, act, partials, count out)
     b, j, ks = _block_and_tile(nb, nt, group, kt.split)
@@ -240,7 +251,7 @@ def _gate_up_kernel(slot_ref, rows_ref, token_ref, x_ref, *refs, n_w: int, fmt: 
         # The block's rows are tokens' hidden states, gathered by each x load (no [M, D] copy of x in HBM).
         tok_B = token_ref[pl.ds(row0, m)]
         mac = functools.partial(_mac, x_ref=x_ref, rows=tok_B, slot=slot, col0=n0, fmt=fmt, bn=kt.bn, bk=kt.bk,
-                                mx_mode=mx_mode)
+                                mx_mode=mx_mode, mx_rows=mx_rows)
 
         def step(i, accs):
             k0 = pl.multiple_of(i * kt.bk, kt.bk)
@@ -286,7 +297,7 @@ def _last_split_sums(part_ref, count_ref, gate, up, tile, ks, rows, cols, epilog
 
 
 def _down_kernel(slot_ref, rows_ref, rw_ref, a_ref, *refs, fmt: str, bm: int, kt: KernelTiles, nb: int, nt: int,
-                 group: int, mx_mode: str, tail_heights: tuple[int, ...]):
+                 group: int, mx_mode: str, mx_rows: int, tail_heights: tuple[int, ...]):
     w_refs, o_ref = refs[:-1], refs[-1]
     b, j, ks = _block_and_tile(nb, nt, group, kt.split)
     slot = slot_ref[b]
@@ -298,7 +309,7 @@ def _down_kernel(slot_ref, rows_ref, rw_ref, a_ref, *refs, fmt: str, bm: int, kt
         def step(i, acc):
             k0 = pl.multiple_of(i * kt.bk, kt.bk)
             return _mac(acc, a_ref, pl.ds(row0, m), k0, w_refs, slot, n0, fmt=fmt, bn=kt.bn, bk=kt.bk,
-                        mx_mode=mx_mode)
+                        mx_mode=mx_mode, mx_rows=mx_rows)
 
         acc = jax.lax.fori_loop(*_k_steps(a_ref.shape[1], kt, ks), step, jnp.zeros((m, kt.bn), jnp.float32))
         # The combine weight (routing weight * routed_scaling; 1 for the shared slot) is applied here, in fp32.
@@ -345,7 +356,8 @@ def gate_up(h_TD: jax.Array, row_token_M: jax.Array, slot_B: jax.Array, rows_B: 
     nt = F // kt.bn
     kernel = functools.partial(_gate_up_kernel, n_w=len(g_arrays), fmt=fmt, bm=tiles.bm, kt=kt, nb=nb, nt=nt,
                                group=min(tiles.group, nb), mx_mode=_mode(tiles, interpret),
-                               tail_heights=tiles.tail_heights, alpha=alpha, limit=limit, interpret=interpret)
+                               mx_rows=tiles.mx_rows, tail_heights=tiles.tail_heights, alpha=alpha, limit=limit,
+                               interpret=interpret)
     args = (slot_B, rows_B, row_token_M.astype(jnp.int32), h_TD, *g_arrays, *u_arrays)
     out_shape = jax.ShapeDtypeStruct((M, F), h_TD.dtype)
     extra = {}
@@ -380,7 +392,7 @@ def down(act_MF: jax.Array, slot_B: jax.Array, rows_B: jax.Array, row_weight_M: 
     nt = D // kt.bn
     kernel = functools.partial(_down_kernel, fmt=fmt, bm=tiles.bm, kt=kt, nb=nb, nt=nt,
                                group=min(tiles.group, nb), mx_mode=_mode(tiles, interpret),
-                               tail_heights=tiles.tail_heights)
+                               mx_rows=tiles.mx_rows, tail_heights=tiles.tail_heights)
     shape = (M, D) if kt.split == 1 else (kt.split, M, D)
     return pl.pallas_call(
         kernel,

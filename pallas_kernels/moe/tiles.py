@@ -62,10 +62,12 @@ class MoeTiles:
     group: int
     mx_mode: str = "expand"
     tail_heights: tuple[int, ...] = ()  # rows a short last block computes (kernel._for_used_block)
+    mx_rows: int = 32  # K rows of MX weight words widened per dot: 32 (one scale block) or 64 (half a group)
 
     def __post_init__(self) -> None:
         h = self.tail_heights
         assert list(h) == sorted(set(h)) and all(0 < x < self.bm and x & (x - 1) == 0 for x in h), h
+        assert self.mx_rows in (32, 64), self.mx_rows
 
     def replace(self, **kw: object) -> MoeTiles:
         if "bm" in kw and "tail_heights" not in kw:  # a new block height keeps the tail heights below it

@@ -357,7 +357,7 @@ def main() -> None:
                     if mode != tiles.mx_mode:
                         measure(T, name, experts, rp, tiles.replace(mx_mode=mode), ref_times.get(T), "moe_mx_mode")
                 for r in args.mx_rows or []:
-                    if r != tiles.mx_rows:
+                    if r != tiles.mx_rows and (fmt == "mxfp8" or r == 32):  # MXFP4 words: 32-row pieces only
                         measure(T, name, experts, rp, tiles.replace(mx_rows=r), ref_times.get(T), "moe_mx_rows")
         if args.sweep and name in ("bf16", "mxfp8"):
             rp_by_fmt[name] = rp  # the sweep checks each candidate against it too

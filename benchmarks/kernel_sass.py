@@ -42,7 +42,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.moe import kernel
+from pallas_kernels.moe import kernel, layout
 from pallas_kernels.moe.tiles import KernelTiles, pick_tiles
 
 S, D, F, SLOTS_PER_TOKEN = 129, 6144, 3072, 5  # M3: 128 experts + shared slot, top-4 (+ shared)
@@ -99,11 +99,11 @@ def expert_structs(fmt: str) -> dict:
     shapes = {"gate": (D, F), "up": (D, F), "down": (F, D)}
     if fmt == "dense":
         return {m: sds((S, k, n), jnp.bfloat16) for m, (k, n) in shapes.items()}
-    key, word = ("q8", jnp.uint16) if fmt == "mxfp8" else ("q4", jnp.uint8)
+    key = "q8" if fmt == "mxfp8" else "q4"
     out = {}
-    for m, (k, n) in shapes.items():
-        out[f"{m}_{key}"] = sds((S, k // 2, n), word)
-        out[f"{m}_s"] = sds((S, k // 32, n), jnp.uint8)
+    for m, (k, n) in shapes.items():  # moe/layout.py: 16-bit words, four scale bytes a uint32
+        out[f"{m}_{key}"] = sds((S, k // layout.PER_WORD[fmt], n), jnp.uint16)
+        out[f"{m}_s"] = sds((S, k // layout.MX_GROUP, n), jnp.uint32)
     return out
 
 

@@ -99,23 +99,23 @@ def test_mx_kernel_layout_round_trip() -> None:
     packed = mx.pack_e2m1(codes)
     scales = np.random.default_rng(4).integers(0, 256, size=(2, 8, 8)).astype(np.uint8)  # [S, N, K/32]
     kq, ks = layout.mxfp4_from_checkpoint(jnp.asarray(packed), jnp.asarray(scales))
-    assert kq.shape == (2, 128, 8) and kq.dtype == jnp.uint8 and ks.shape == (2, 2, 8) and ks.dtype == jnp.uint32
+    assert kq.shape == (2, 64, 8) and kq.dtype == jnp.uint16 and ks.shape == (2, 2, 8) and ks.dtype == jnp.uint32
     # Scale word g of a column: the 4 block scales of K group g, block 4g + j in byte j.
     np.testing.assert_array_equal((np.asarray(ks)[1, 1, 5] >> (8 * np.arange(4))) & 0xFF, scales[1, 5, 4:8])
     np.testing.assert_array_equal(np.asarray(layout.unpack_scales(ks)), np.swapaxes(scales, 1, 2))
-    # Word r of each 128-group: element r low, r + 64 high.
+    # Word r of each 128-group: element r + 32 j in nibble j.
     b = np.asarray(kq)[0, :, 0]
-    np.testing.assert_array_equal(b[:64] & 0xF, codes[0, 0, :64])
-    np.testing.assert_array_equal(b[:64] >> 4, codes[0, 0, 64:128])
-    np.testing.assert_array_equal(np.asarray(layout.pair_unpack(kq, "mxfp4")), codes)
-    # MXFP8: the same pairing in 16-bit words (half as many elements: Pallas' 32-bit offsets stay in range).
+    for j in range(4):
+        np.testing.assert_array_equal((b[32:64] >> (4 * j)) & 0xF, codes[0, 0, 128 + 32 * j:160 + 32 * j])
+    np.testing.assert_array_equal(np.asarray(layout.word_unpack(kq, "mxfp4")), codes)
+    # MXFP8: word r of a group holds element r in its low byte, r + 64 in its high one.
     fp8 = np.random.default_rng(3).normal(size=(2, 8, 256)).astype(ml_dtypes.float8_e4m3fn)
     k8, _ = layout.mxfp8_from_checkpoint(jnp.asarray(fp8), jnp.zeros((2, 8, 8), jnp.uint8))
     assert k8.shape == (2, 128, 8) and k8.dtype == jnp.uint16
     w = np.asarray(k8)[1, 64:128, 3]  # the second group
     np.testing.assert_array_equal(w & 0xFF, fp8[1, 3, 128:192].view(np.uint8))
     np.testing.assert_array_equal(w >> 8, fp8[1, 3, 192:256].view(np.uint8))
-    back = layout.decode_codes(layout.pair_unpack(k8, "mxfp8"), "mxfp8")
+    back = layout.decode_codes(layout.word_unpack(k8, "mxfp8"), "mxfp8")
     np.testing.assert_array_equal(np.asarray(back), fp8.astype(np.float32))
 
 
@@ -268,38 +268,74 @@ def test_e4m3_pair_widening_steps() -> None:
         for lane, want in ((y & 0xFFFF, first), (y >> 16, second)):
             got = (lane.astype(np.uint32) << 16).view(np.float32).astype(np.float64) * 2.0**120
             np.testing.assert_array_equal(got, want.astype(np.uint8).view(fp8).astype(np.float64))
-    s = jnp.arange(1, layout.E4M3_BF16_MAX_SCALE + 1, dtype=jnp.uint8)
-    np.testing.assert_array_equal(np.asarray(layout.e4m3_bf16_scale(s).astype(jnp.float32)),
-                                  np.ldexp(1.0, np.arange(1, layout.E4M3_BF16_MAX_SCALE + 1) - 7))
+    top = layout.ASM_BF16_MAX_SCALE["mxfp8"]
+    s = jnp.arange(1, top + 1, dtype=jnp.uint8)
+    np.testing.assert_array_equal(np.asarray(layout.asm_bf16_scale(s, "mxfp8").astype(jnp.float32)),
+                                  np.ldexp(1.0, np.arange(1, top + 1) - 7))
     for h in (0, 1):
-        ptx = layout.e4m3_pair_widening_ptx(h)
+        ptx = layout.widening_ptx("mxfp8", h)
         assert "mul.rn.bf16x2" in ptx and f"{layout.E4M3_BF16_PRMT[h]:#x}" in ptx
         assert f"{layout.E4M3_BF16_MASK:#x}" in ptx
 
 
-def test_expand_asm_mode_runs_as_expand_in_interpret_mode() -> None:
-    p = prepare_moe(moe_params(5), "mxfp8")
+_PTX_INT_OPS = {"shl.b32": lambda x, y: (x << y) & 0xFFFFFFFF, "shr.b32": lambda x, y: x >> y,
+                "and.b32": lambda x, y: x & y, "or.b32": lambda x, y: x | y}
+
+
+def test_e2m1_widening_steps() -> None:
+    """MXFP4's "expand_asm" PTX in numpy, instruction by instruction from its own text: every nibble of both words
+    of a register comes out as bf16 bits of exactly 2^-126 times its E2M1 value, and the folded scale gives
+    2^(s - 1), finite up to ASM_BF16_MAX_SCALE."""
+    rng = np.random.default_rng(1)
+    w = rng.integers(0, 1 << 16, size=(2, 4096)).astype(np.uint32)  # two 16-bit words a register
+    reg = w[0] | (w[1] << 16)
+    for j in range(4):
+        regs = {"$1": reg}
+        for line in layout.widening_ptx("mxfp4", j).splitlines():
+            op, _, rest = line.strip().rstrip(";").partition(" ")
+            if op in ("shl.b32", "shr.b32", "and.b32", "or.b32"):
+                dst, a, b = (t.strip() for t in rest.split(","))
+                x, y = regs[a], regs[b] if b in regs else np.uint32(int(b, 0))
+                regs[dst] = _PTX_INT_OPS[op](x, y)
+        y = regs["a"]  # the operand the final mul.rn.bf16x2 scales
+        for lane, word in ((y & 0xFFFF, w[0]), (y >> 16, w[1])):
+            got = (lane.astype(np.uint32) << 16).view(np.float32).astype(np.float64) * 2.0**126
+            np.testing.assert_array_equal(got, mx.E2M1_LUT[(word >> (4 * j)) & 0xF].astype(np.float64))
+    top = layout.ASM_BF16_MAX_SCALE["mxfp4"]
+    s = jnp.arange(0, top + 1, dtype=jnp.uint8)
+    got = np.asarray(layout.asm_bf16_scale(s, "mxfp4").astype(jnp.float32))
+    np.testing.assert_array_equal(got, np.ldexp(1.0, np.arange(0, top + 1) - 1))
+    assert np.all(np.isfinite(got)) and "mul.rn.bf16x2" in layout.widening_ptx("mxfp4", 3)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "mxfp4"])
+def test_expand_asm_mode_runs_as_expand_in_interpret_mode(fmt: str) -> None:
+    p = prepare_moe(moe_params(5), fmt)
     h = hidden(6, 19)
     a = kernel.moe_pallas(h, p, interpret=True, tiles=INTERPRET_TILES, **KW)
     b = kernel.moe_pallas(h, p, interpret=True, tiles=INTERPRET_TILES.replace(mx_mode="expand_asm"), **KW)
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_wide_scales_fall_back_from_expand_asm() -> None:
-    """A block maximum of 2^20 needs an E8M0 scale above 134, which the inline-PTX widening's folded bf16 scale
-    cannot hold: prepare marks such experts and the kernels run "expand" for them; ordinary weights keep the
-    table's "expand_asm"."""
-    plain = prepare_moe(moe_params(5), "mxfp8")["experts"]
+@pytest.mark.parametrize("fmt,big", [("mxfp8", 2.0**16), ("mxfp4", 16.0)])
+def test_wide_scales_fall_back_from_expand_asm(fmt: str, big: float) -> None:
+    """A block maximum of 2^16 (MXFP8) or 16 (MXFP4) needs an E8M0 scale that the inline-PTX widening's folded
+    bf16 scale cannot hold: prepare marks such experts and the kernels run "expand" for them; ordinary weights
+    keep "expand_asm"."""
+    plain = prepare_moe(moe_params(5), fmt)["experts"]
     p = moe_params(5)
-    p["w_up"] = p["w_up"].at[1, 3, 7].set(2.0**20)
-    wide = prepare_moe(p, "mxfp8")["experts"]
+    p["w_up"] = p["w_up"].at[1, 3, 7].set(big)
+    wide = prepare_moe(p, fmt)["experts"]
     assert layout.WIDE_SCALES not in plain and layout.WIDE_SCALES in wide
-    asm = pick_tiles(1, "mxfp8").replace(mx_mode="expand_asm")
+    p["w_up"] = p["w_up"].at[1, 3, 7].set(big * 0.99)  # just under: still representable
+    assert layout.WIDE_SCALES not in prepare_moe(p, fmt)["experts"]
+    p["w_up"] = p["w_up"].at[1, 3, 7].set(big)
+    asm = pick_tiles(1, fmt).replace(mx_mode="expand_asm")
     assert kernel.kernel_tiles(1, plain, tiles=asm).mx_mode == "expand_asm"
     assert kernel.kernel_tiles(1, wide, tiles=asm).mx_mode == "expand"
     # The marked layout still computes the reference's function (the marker is not a weight).
     h = hidden(6, 19)
-    pw = prepare_moe(p, "mxfp8", keep_reference=False)
+    pw = prepare_moe(p, fmt, keep_reference=False)
     want = reference.moe(h, layout.reference_params(pw, jnp.float32), **KW)
     got = kernel.moe_pallas(h, pw, interpret=True, **KW)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5 * float(jnp.abs(want).max()))

@@ -171,14 +171,13 @@ def _dot(x: jax.Array, w: jax.Array) -> jax.Array:
     return jnp.dot(x, w, preferred_element_type=jnp.float32)
 
 
-def _piece_scales(s_word: jax.Array, h: int, c: int, rows: int) -> jax.Array:
-    """The E8M0 scale bytes of the `rows` weight words from row 32c of half h: [1, bn] for one 32-row block,
-    [64, bn] for a whole half (its two blocks' bytes, chosen per row in registers: no reshape, which Triton
-    would route through shared memory)."""
+def _piece_scales(s_word: jax.Array, block: int, rows: int) -> jax.Array:
+    """The E8M0 scale bytes of `rows` weight rows starting at K block `block` of a group: [1, bn] for one 32-row
+    block, [64, bn] for two (the bytes chosen per row in registers: a reshape would go through shared memory)."""
     if rows == mx.BLOCK:
-        return (s_word >> (8 * (2 * h + c))) & 0xFF
+        return (s_word >> (8 * block)) & 0xFF
     first = jax.lax.broadcasted_iota(jnp.int32, (rows, s_word.shape[1]), 0) < mx.BLOCK
-    return jnp.where(first, (s_word >> (16 * h)) & 0xFF, (s_word >> (16 * h + 8)) & 0xFF)
+    return jnp.where(first, (s_word >> (8 * block)) & 0xFF, (s_word >> (8 * block + 8)) & 0xFF)
 
 
 def _mac(acc: jax.Array, x_ref, rows: pl.Slice | jax.Array, k0: jax.Array, w_refs: tuple, slot: jax.Array,
@@ -189,32 +188,33 @@ def _mac(acc: jax.Array, x_ref, rows: pl.Slice | jax.Array, k0: jax.Array, w_ref
     cols = pl.ds(col0, bn)
     if fmt == "dense":
         return acc + _dot(x_ref[rows, pl.ds(k0, bk)], w_refs[0][slot, pl.ds(k0, bk), cols].astype(cdt))
-    # MX: word r of each 128-group of K holds element r (low half) and r + 64 (high half), and one uint32 holds
-    # the group's four block scales per column (layout.py): byte 2h + c scales words [32c, 32c + 32) of half h,
-    # i.e. K block 2h + c, x columns 64h + 32c onwards. A group is worked as 2 or 4 dots (`mx_rows`).
+    # MX (layout.py): a 128-group of K is `per` runs of `run` elements; word r of the group holds element r of
+    # every run (field j = run j), and one uint32 per column holds the group's four block scales. A dot takes
+    # `piece` word rows and one field: K elements j * run + c * piece onwards.
     q_ref, s_ref = w_refs
-    bits = 8 if fmt == "mxfp8" else 4
-    half = layout.MX_GROUP // 2
-    rows_per = mx.BLOCK if mx_mode == "subdot" else mx_rows  # subdot scales each dot's result: one block each
+    bits, per = layout.BITS[fmt], layout.PER_WORD[fmt]
+    run = layout.MX_GROUP // per
+    piece = mx.BLOCK if mx_mode == "subdot" else min(mx_rows, run)  # subdot scales each dot's result by one block
     for g in range(bk // layout.MX_GROUP):
         kg = k0 + g * layout.MX_GROUP
         s_word = s_ref[slot, pl.ds(kg // layout.MX_GROUP, 1), cols]  # [1, bn] uint32
-        for c in range(half // rows_per):  # c: which 32-row piece of the words (none when a dot takes all 64)
-            word = q_ref[slot, pl.ds(kg // 2 + c * rows_per, rows_per), cols]  # [rows_per, bn]
-            for h in range(2):
-                s_byte = _piece_scales(s_word, h, c, rows_per)  # [1 or rows_per, bn]
-                x = x_ref[rows, pl.ds(kg + h * half + c * rows_per, rows_per)]
-                if mx_mode == "expand_asm" and fmt == "mxfp8":
-                    # Widened by inline PTX (layout.e4m3_pair_widening_ptx): 3 bit ops and a packed bf16
-                    # multiply per pair of elements, against ~4.6 conversion and bit ops per element the plain way.
-                    s = jnp.broadcast_to(layout.e4m3_bf16_scale(s_byte), word.shape)
+        for c in range(run // piece):
+            word = q_ref[slot, pl.ds(kg // per + c * piece, piece), cols]  # [piece, bn] uint16
+            for j in range(per):
+                first = j * run + c * piece  # the dot's first K element within the group
+                s_byte = _piece_scales(s_word, first // mx.BLOCK, piece)  # [1 or piece, bn]
+                x = x_ref[rows, pl.ds(kg + first, piece)]
+                if mx_mode == "expand_asm":
+                    # Widened by inline PTX (layout.widening_ptx): a few bit ops and a packed bf16 multiply per
+                    # pair of elements, against ~4.6 conversion and bit ops per element the plain way.
+                    s = jnp.broadcast_to(layout.asm_bf16_scale(s_byte, fmt), word.shape)
                     [w] = pltriton.elementwise_inline_asm(
-                        layout.e4m3_pair_widening_ptx(h), args=[word, s], constraints="=r,r,r", pack=2,
+                        layout.widening_ptx(fmt, j), args=[word, s], constraints="=r,r,r", pack=2,
                         result_shape_dtypes=[jax.ShapeDtypeStruct(word.shape, jnp.bfloat16)])
                     acc = acc + _dot(x, w.astype(cdt))
                     continue
-                code = (word.astype(jnp.int32) >> (bits * h)) & ((1 << bits) - 1)
-                if mx_mode in ("expand", "expand_asm"):  # expand_asm on MXFP4: no PTX path, the plain expand
+                code = (word.astype(jnp.int32) >> (bits * j)) & ((1 << bits) - 1)
+                if mx_mode == "expand":
                     w = (layout.decode_codes(code, fmt) * mx.e8m0_to_f32(s_byte)).astype(cdt)
                     acc = acc + _dot(x, w)
                 else:  # "subdot": widen straight to the compute dtype, scale the piece's dot result

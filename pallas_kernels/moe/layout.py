@@ -6,17 +6,19 @@ when the shared expert has the routed width, one more slot (index E) holding the
 kernels then treat as an always-selected expert of weight 1. Per format:
 
   dense   {"gate", "up", "down"}: float arrays (bf16 on the GPU).
-  mxfp8   {"gate_q8", "gate_s", ...}: uint16 `[S, K/2, N]` pairs of float8_e4m3fn bytes, E8M0 scales packed
+  mxfp8   {"gate_q8", "gate_s", ...}: uint16 `[S, K/2, N]`, two float8_e4m3fn bytes a word, E8M0 scales packed
           four to a uint32 `[S, K/128, N]` (byte j of word g: the scale of K block 4g + j).
-  mxfp4   {"gate_q4", "gate_s", ...}: uint8 `[S, K/2, N]` pairs of E2M1 nibbles, scales packed as for mxfp8.
+  mxfp4   {"gate_q4", "gate_s", ...}: uint16 `[S, K/4, N]`, four E2M1 nibbles a word, scales packed as for mxfp8.
 
-Pair packing (both MX formats): a checkpoint packs K neighbours (2i, 2i+1) into one byte (MXFP4), which a
-kernel would have to interleave back along K. Instead K is cut into groups of 128 and word r of a group holds
-elements r (low half) and r + 64 (high half), so a kernel step dots the low halves with x columns [0, 64) of
-the group and the high halves with columns [64, 128): contiguous loads, no shuffles, for every tile with bk a
-multiple of 128. MXFP8 is paired the same way, into 16-bit words, for a reason outside the format: Pallas'
-Triton lowering indexes arrays under 4 GiB with 32-bit element offsets, which wrap for a 1-byte array of more
-than 2^31 elements (M3's stacked fp8 gate is 2.4e9), so the 8-bit weights travel as half as many 16-bit words.
+Word packing (both MX formats): a checkpoint packs K neighbours (2i, 2i+1) into one byte (MXFP4), which a
+kernel would have to interleave back along K. Instead K is cut into groups of 128, a group into `per_word`
+(= 16 / bits) runs of 128 / per_word elements, and word r of a group holds element r of every run (run j in bits
+[j * bits, (j + 1) * bits)): MXFP8 word r holds elements r and r + 64, MXFP4 word r elements r, r + 32, r + 64 and
+r + 96. A kernel step then widens one field of a [rows, bn] word tile into a [rows, bn] weight tile for x
+columns that are contiguous: no shuffles, for every tile with bk a multiple of 128. The words are 16-bit for a
+reason outside the formats: Pallas' Triton lowering indexes arrays under 4 GiB with 32-bit element offsets,
+which wrap past 2^31 elements (M3's stacked fp8 gate is 2.4e9 bytes), and two 16-bit words fill the 32-bit
+register that the inline-PTX widening works on.
 
 Scale packing: a kernel step reads the four block scales of each 128-group per column. As single bytes those
 loads are too narrow for Triton's asynchronous copies (4 bytes at least), so they were plain global loads that
@@ -33,8 +35,8 @@ from pallas_kernels import mx
 
 MATS = ("gate", "up", "down")
 MX_GROUP = 128  # K elements per pair-packing group
-_BITS = {"mxfp8": 8, "mxfp4": 4}
-_WORD = {"mxfp8": jnp.uint16, "mxfp4": jnp.uint8}
+BITS = {"mxfp8": 8, "mxfp4": 4}
+PER_WORD = {fmt: 16 // bits for fmt, bits in BITS.items()}  # elements in one 16-bit kernel word
 _KEY = {"mxfp8": "q8", "mxfp4": "q4"}
 
 
@@ -77,22 +79,26 @@ def _kn(w_SKN: jax.Array) -> jax.Array:
     return jnp.swapaxes(w_SKN, -1, -2)
 
 
-def pair_pack(codes_SNK: jax.Array, fmt: str) -> jax.Array:
-    """Element codes `[S, N, K]` (K-contiguous, natural order) -> kernel words `[S, K/2, N]` (see above)."""
+def word_pack(codes_SNK: jax.Array, fmt: str) -> jax.Array:
+    """Element codes `[S, N, K]` (K-contiguous, natural order) -> kernel words uint16 `[S, K/per_word, N]`."""
     *lead, n, k = codes_SNK.shape
     assert k % MX_GROUP == 0, f"MX kernel layout needs K={k} a multiple of {MX_GROUP}"
-    c = codes_SNK.astype(jnp.uint32).reshape(*lead, n, k // MX_GROUP, 2, MX_GROUP // 2)
-    words = (c[..., 0, :] | (c[..., 1, :] << _BITS[fmt])).astype(_WORD[fmt])
-    return _kn(words.reshape(*lead, n, k // 2))
+    per = PER_WORD[fmt]
+    c = codes_SNK.astype(jnp.uint32).reshape(*lead, n, k // MX_GROUP, per, MX_GROUP // per)
+    words = c[..., 0, :]
+    for j in range(1, per):
+        words = words | (c[..., j, :] << (BITS[fmt] * j))
+    return _kn(words.astype(jnp.uint16).reshape(*lead, n, k // per))
 
 
-def pair_unpack(words_SK2N: jax.Array, fmt: str) -> jax.Array:
-    """Kernel words `[S, K/2, N]` -> element codes `[S, N, K]` (int32) in natural K order."""
-    b = _kn(words_SK2N).astype(jnp.int32)
-    *lead, n, k2 = b.shape
-    g = b.reshape(*lead, n, k2 // (MX_GROUP // 2), MX_GROUP // 2)
-    mask = (1 << _BITS[fmt]) - 1
-    return jnp.stack([g & mask, g >> _BITS[fmt]], axis=-2).reshape(*lead, n, 2 * k2)
+def word_unpack(words_SKwN: jax.Array, fmt: str) -> jax.Array:
+    """Kernel words `[S, K/per_word, N]` -> element codes `[S, N, K]` (int32) in natural K order."""
+    b = _kn(words_SKwN).astype(jnp.int32)
+    *lead, n, kw = b.shape
+    per = PER_WORD[fmt]
+    g = b.reshape(*lead, n, kw // (MX_GROUP // per), MX_GROUP // per)
+    mask = (1 << BITS[fmt]) - 1
+    return jnp.stack([(g >> (BITS[fmt] * j)) & mask for j in range(per)], axis=-2).reshape(*lead, n, per * kw)
 
 
 SCALES_PER_WORD = MX_GROUP // mx.BLOCK  # 4 block scales of a 128-group in one uint32
@@ -116,12 +122,12 @@ def unpack_scales(words_SKgN: jax.Array) -> jax.Array:
 
 def mxfp8_from_checkpoint(fp8_SNK: jax.Array, scale_SNKb: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Checkpoint MXFP8 (`[S, N, K]` float8_e4m3fn + `[S, N, K/32]`, HF Linear layout) -> kernel layout."""
-    return pair_pack(jax.lax.bitcast_convert_type(fp8_SNK, jnp.uint8), "mxfp8"), pack_scales(scale_SNKb)
+    return word_pack(jax.lax.bitcast_convert_type(fp8_SNK, jnp.uint8), "mxfp8"), pack_scales(scale_SNKb)
 
 
 def mxfp4_from_checkpoint(packed_SNK2: jax.Array, scale_SNKb: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Checkpoint MXFP4 (`[S, N, K/2]`, element 2i low nibble, + `[S, N, K/32]`) -> kernel layout."""
-    return pair_pack(mx.unpack_e2m1_jnp(packed_SNK2), "mxfp4"), pack_scales(scale_SNKb)
+    return word_pack(mx.unpack_e2m1_jnp(packed_SNK2), "mxfp4"), pack_scales(scale_SNKb)
 
 
 def decode_codes(codes: jax.Array, fmt: str, dtype: jnp.dtype = jnp.float32) -> jax.Array:
@@ -140,41 +146,63 @@ def decode_codes(codes: jax.Array, fmt: str, dtype: jnp.dtype = jnp.float32) -> 
 # left of the sign replicas (and what the shift carried in from the lower lane). The bf16 is then exactly 2^-120
 # times the e4m3 value, subnormals included (they become bf16 subnormals, which the packed bf16 multiply keeps).
 # Three integer ops a register: the integer pipe runs at half rate on the H200 and bounds this kernel. The block
-# scale carries the 2^120: 2^(s - 7), bf16 bits (s + 120) << 7, exact for s <= E4M3_BF16_MAX_SCALE.
+# scale carries the 2^120: 2^(s - 7), bf16 bits (s + 120) << 7, exact for s <= ASM_BF16_MAX_SCALE["mxfp8"].
 E4M3_BF16_PRMT = (0xA280, 0xB391)  # low bytes of the two words, high bytes of the two words, each with its sign
 E4M3_BF16_SHIFT, E4M3_BF16_MASK = 4, 0x87F087F0
-E4M3_BF16_BIAS = 120
-E4M3_BF16_MAX_SCALE = 254 - E4M3_BF16_BIAS
-# Marker key (an empty array) in MXFP8 experts with a scale above E4M3_BF16_MAX_SCALE (block maxima of 2^16 and
-# more; no real checkpoint has them): the kernels then widen those weights the "expand" way. A key, not a value,
-# because the choice is static at trace time.
+# E2M1 nibbles -> bf16 pairs the same way (MXFP4's "expand_asm"): a register holds two words of four nibbles; for
+# field j of both, one shift puts its sign bit at bf16's bit 15 and another its 3 magnitude bits (2 exponent, 1
+# mantissa) at bf16's bits 6..8, two ANDs keep just those, an OR joins them (ptxas fuses the logic into LOP3s).
+# The bf16 is then exactly 2^-126 times the E2M1 value (exponent field e, top mantissa bit m; e = 0 is the
+# subnormal 0.5 m). The block scale carries the 2^126: 2^(s - 1), bf16 bits (s + 126) << 7.
+E2M1_BF16_SIGN_MASK, E2M1_BF16_MAG_MASK = 0x80008000, 0x01C001C0
+# Per format: the bias folded into the scale's bf16 exponent, and the largest E8M0 scale that stays finite.
+ASM_BF16_BIAS = {"mxfp8": 120, "mxfp4": 126}
+ASM_BF16_MAX_SCALE = {fmt: 254 - bias for fmt, bias in ASM_BF16_BIAS.items()}
+# Marker key (an empty array) in MX experts with a scale above ASM_BF16_MAX_SCALE (weight blocks whose largest
+# magnitude reaches 2^16 in MXFP8 or 16 in MXFP4; trained weights stay far below): the kernels then widen those
+# weights the "expand" way. A key, not a value, because the choice is static at trace time.
 WIDE_SCALES = "wide_scales"
 
 
 def mark_wide_scales(experts: dict) -> dict:
     """`experts` plus the WIDE_SCALES marker where the "expand_asm" widening cannot represent a scale (one
     host sync per layer: for load time, not the serving loop)."""
-    if weight_format(experts) != "mxfp8":
+    fmt = weight_format(experts)
+    if fmt == "dense":
         return experts
     top = max(int(jnp.max(unpack_scales(experts[f"{m}_s"]))) for m in MATS)
-    return dict(experts, **{WIDE_SCALES: jnp.zeros((0,), jnp.uint8)}) if top > E4M3_BF16_MAX_SCALE else experts
+    return dict(experts, **{WIDE_SCALES: jnp.zeros((0,), jnp.uint8)}) if top > ASM_BF16_MAX_SCALE[fmt] else experts
 
 
-def e4m3_pair_widening_ptx(half: int) -> str:
-    """Inline PTX: $1 = two 16-bit words, $2 = a bf16x2 block scale -> $0 = bf16x2 of the words' low (half 0) or
-    high (half 1) bytes, scaled. (One result per asm: Pallas' Triton lowering takes a single result.)"""
-    return f"""{{
+def widening_ptx(fmt: str, field: int) -> str:
+    """Inline PTX: $1 = two 16-bit words, $2 = a bf16x2 block scale -> $0 = bf16x2 of field `field` of both words
+    (MXFP8: byte 0 or 1; MXFP4: nibble 0..3), scaled. (One result per asm: Pallas' Triton lowering takes a single
+    result.)"""
+    if fmt == "mxfp8":
+        return f"""{{
 .reg .b32 a;
-prmt.b32 a, $1, 0, {E4M3_BF16_PRMT[half]:#x};
+prmt.b32 a, $1, 0, {E4M3_BF16_PRMT[field]:#x};
 shl.b32 a, a, {E4M3_BF16_SHIFT};
 and.b32 a, a, {E4M3_BF16_MASK:#x};
 mul.rn.bf16x2 $0, a, $2;
 }}"""
+    sign_shift, mag_shift = 12 - 4 * field, 6 - 4 * field  # bit 4j + 3 -> 15; bits 4j .. 4j + 2 -> 6 .. 8
+    mag_op = f"shl.b32 b, $1, {mag_shift}" if mag_shift >= 0 else f"shr.b32 b, $1, {-mag_shift}"
+    return f"""{{
+.reg .b32 a, b;
+shl.b32 a, $1, {sign_shift};
+and.b32 a, a, {E2M1_BF16_SIGN_MASK:#x};
+{mag_op};
+and.b32 b, b, {E2M1_BF16_MAG_MASK:#x};
+or.b32 a, a, b;
+mul.rn.bf16x2 $0, a, $2;
+}}"""
 
 
-def e4m3_bf16_scale(s: jax.Array) -> jax.Array:
-    """E8M0 bytes -> bf16 2^(s - 7): the block scale times the 2^120 that the bit-moved e4m3 values lack."""
-    bits = (s.astype(jnp.int32) + E4M3_BF16_BIAS) << 7
+def asm_bf16_scale(s: jax.Array, fmt: str) -> jax.Array:
+    """E8M0 bytes -> the bf16 block scale times the power of two that the bit-moved values lack: 2^(s - 7) for
+    e4m3 (values 2^-120 small), 2^(s - 1) for E2M1 (2^-126)."""
+    bits = (s.astype(jnp.int32) + ASM_BF16_BIAS[fmt]) << 7
     return jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.bfloat16)
 
 
@@ -182,7 +210,7 @@ def quantize_experts(dense: dict, fmt: str) -> dict:
     """Dense `[S, K, N]` matrices -> the `fmt` kernel layout (quantised on the device they live on)."""
     if fmt == "dense":
         return dense
-    if fmt not in _BITS:
+    if fmt not in BITS:
         raise ValueError(f"unknown MoE weight format {fmt!r} (dense, mxfp8, mxfp4)")
     out = {}
     for mat in MATS:
@@ -205,7 +233,7 @@ def dequantize_experts(experts: dict, dtype: jnp.dtype = jnp.float32) -> dict:
             out[mat] = experts[mat].astype(dtype)
             continue
         words, scale = weight_arrays(experts, mat)
-        vals = decode_codes(pair_unpack(words, fmt), fmt)
+        vals = decode_codes(word_unpack(words, fmt), fmt)
         vals = vals.reshape(*vals.shape[:-1], -1, mx.BLOCK) * mx.e8m0_to_f32(_kn(unpack_scales(scale)))[..., None]
         out[mat] = _kn(vals.reshape(*vals.shape[:-2], -1)).astype(dtype)
     return out

@@ -24,18 +24,20 @@ Keys of `MoeTiles` (per kernel: `gu` = gate+up GEMM with the SwiGLU-OAI epilogue
           most h pairs computes h rows (the smallest such h), skipping the padding's MMA work and x reads for the
           same weight tiles (kernel._for_used_block). (bm // 2,) halves; (bm // 4, bm // 2) quarters too. Heights
           under 16 rows are dropped on the GPU (Triton's smallest dot).
-  mx_mode "expand": dequantise a whole [bk, bn] weight tile (scale broadcast over 32 K rows) before one dot;
-          "subdot": one dot per 32-row scale block, scaling its [bm, bn] result (no in-kernel reshape).
-          "expand_asm" (MXFP8, the table's mode): e4m3 pairs widened by inline PTX bit moves (three integer
-          ops a register) and a packed bf16 scale multiply (layout.e4m3_pair_widening_ptx): 9-11% faster at
-          decode sizes than the first four-op version, which was 16-20% faster than "expand". Exact only for
-          E8M0 scales <= 134: weights prepared with larger scales carry layout.WIDE_SCALES and run "expand".
-          Runs as "expand" in interpret mode.
+  mx_mode "expand": widen a weight piece (scale broadcast over its 32-row blocks) before its dot;
+          "subdot": one dot per 32-row scale block, scaling its [bm, bn] result.
+          "expand_asm" (the table's mode for both MX formats): fields of two 16-bit words widened to bf16 by
+          inline PTX bit moves and one packed bf16 scale multiply per pair (layout.widening_ptx); for MXFP8 9-11%
+          faster at decode sizes than the first four-op version, which was 16-20% faster than "expand". Exact only
+          for scales up to layout.ASM_BF16_MAX_SCALE: weights prepared with larger ones carry layout.WIDE_SCALES
+          and run "expand". Runs as "expand" in interpret mode.
           Timed and dropped: "subdot_f32" (subdot widened through f32; 1.70-2.42x) and "f16_subdot" (f16
           activations, one hardware cvt.rn.f16x2.e4m3x2 per pair, each 32-row sub-dot scaled in fp32: 30% fewer
           loop instructions offline, yet 1.25-2.56x over 7 tile sets against expand_asm's 1.20-1.67x at T = 1..128
           in the same run; benchmarks/results/moe-h200-f16.json, commit 873ba16).
           Override: M3JAX_MOE_MX_MODE.
+  mx_rows K rows of MX words widened per dot: 32 (one scale block) or 64 (MXFP8 only: two blocks, the scale
+          chosen per row), fewer and larger dots.
 """
 
 from __future__ import annotations
@@ -110,9 +112,6 @@ GPU_TABLE: dict[tuple[str, str], MoeTiles] = {
     ("mid", "mxfp8"): MoeTiles("mid", bm=32, gu=_K(bn=64, bk=128, warps=8, stages=3),
                                dn=_K(bn=128, bk=128, warps=8, stages=3), group=8, mx_mode="expand_asm",
                                tail_heights=(16,)),
-    # The 64-row MXFP4 down kernel spills at 4 warps; 32 rows do not.
-    ("mid", "mxfp4"): MoeTiles("mid", bm=32, gu=_K(bn=64, bk=128, warps=4, stages=4),
-                               dn=_K(bn=128, bk=128, warps=4, stages=4), group=8),
     # gate+up: a 128 x (2 x 128) output tile per program (two accumulators); down: 128 x 256 with 3 stages, the
     # shape of the best plain Pallas matmul on this GPU (gpu.md). T = 8192, same run: 10.24 ms against 11.12 ms
     # with a 128 x 128 down tile at 4 stages (benchmarks/results/moe-h200-explore.json). Groups of 4 row blocks
@@ -125,13 +124,17 @@ GPU_TABLE: dict[tuple[str, str], MoeTiles] = {
                                    dn=_K(bn=256, bk=64, warps=8, stages=3), group=4, tail_heights=(64,)),
     # MX tiles are widened in registers before the MMA: narrower gate+up tiles keep that spill-free. Tail blocks
     # of 32 or 64 rows: T = 8192, same process, kernel-busy 21.11 / 21.03 ms against 21.99 ms without, while
-    # halves alone measured 23.20 / 23.18 ms (benchmarks/results/moe-h200-tails-mxfp8-2.json).
+    # halves alone measured 23.20 / 23.18 ms (benchmarks/results/moe-h200-tails-mxfp8-2.json). 64-row pieces
+    # (mx_rows): T = 8192, same process, 20.02 against 23.43 ms wall; at T <= 2048 they measured 1.5-1.7x slower
+    # (benchmarks/results/moe-h200-mx-rows.json), so only prefill takes them.
     ("prefill", "mxfp8"): MoeTiles("prefill", bm=128, gu=_K(bn=64, bk=128, warps=8, stages=4),
                                    dn=_K(bn=128, bk=128, warps=8, stages=4), group=16, mx_mode="expand_asm",
-                                   tail_heights=(32, 64)),
-    ("prefill", "mxfp4"): MoeTiles("prefill", bm=128, gu=_K(bn=64, bk=128, warps=8, stages=4),
-                                   dn=_K(bn=128, bk=128, warps=8, stages=4), group=16),
+                                   tail_heights=(32, 64), mx_rows=64),
 }
+# MXFP4 widens by the same inline-PTX scheme (layout.widening_ptx; a few more bit ops per pair) from the same
+# 16-bit words, so it starts from the MXFP8 entries. Its words hold 32-element runs: 32-row pieces only.
+for _reg in ("decode", "mid", "prefill"):
+    GPU_TABLE[(_reg, "mxfp4")] = GPU_TABLE[(_reg, "mxfp8")].replace(mx_rows=32)
 
 # One token: its 5 slots give each GEMM only 240 programs for 132 SMs. Splitting down's K in two (fp32 partials,
 # summed by the combine) lifts MXFP8 to 0.095 ms = 1.40x the floor against 0.104-0.107 ms (1.53-1.57x) unsplit;

@@ -53,6 +53,15 @@ def candidates(T: int, fmt: str) -> list[MoeTiles]:
     base = pick_tiles(T, fmt)
     reg = regime(T)
     out: list[MoeTiles] = []
+    if reg == "decode" and fmt != "dense":
+        # Deeper pipelines, first (--sweep-first 4): since the scale words travel with the weight tiles as async
+        # copies, a program's bytes in flight grow with its stages, and at decode sizes the few programs per SM
+        # wait on memory (offline sm_90 at T = 1: 47-48 registers and 42 KB of shared memory at 3 stages).
+        def deeper(s: int, t: KernelTiles) -> KernelTiles:
+            return dataclasses.replace(t, stages=s)
+
+        out += [base.replace(gu=deeper(s, base.gu), dn=deeper(s, base.dn)) for s in (4, 5, 6)]
+        out.append(base.replace(gu=deeper(5, base.gu), dn=dataclasses.replace(base.dn, stages=5, split=1)))
     if T == 1:
         # Split K: one token's 5 slots make few output tiles (240 programs for 132 SMs at the table's tiles).
         # (Twice-wide MX tiles with K split in two, so that x serves twice the widened weights per warp, were
@@ -359,7 +368,7 @@ def main() -> None:
                 for r in args.mx_rows or []:
                     if r != tiles.mx_rows and (fmt == "mxfp8" or r == 32):  # MXFP4 words: 32-row pieces only
                         measure(T, name, experts, rp, tiles.replace(mx_rows=r), ref_times.get(T), "moe_mx_rows")
-        if args.sweep and name in ("bf16", "mxfp8"):
+        if args.sweep:
             rp_by_fmt[name] = rp  # the sweep checks each candidate against it too
         del rp
 

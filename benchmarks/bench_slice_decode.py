@@ -7,7 +7,7 @@ pool is filled with random K/V/index-K for a context of `--context` tokens per r
 experts a batch of B tokens touches in expectation under uniform routing, the shared experts, the lm_head,
 and the K/V/index-K each query reads) over the HBM bandwidth. Per-layer time = (step - lm_head) / layers.
 
-    PYTHONPATH=. python benchmarks/bench_slice_decode.py [--batches 1 32 128] [--context 4096]
+    PYTHONPATH=. python benchmarks/bench_slice_decode.py [--batches 1 32 128] [--context 4096] [--moe-format mxfp8]
 """
 
 from __future__ import annotations
@@ -25,13 +25,18 @@ import numpy as np
 
 from benchmarks.timing import device_profile
 
+# HBM bytes per expert weight as the MoE kernels read it (moe/layout.py): an E8M0 byte per 32 elements for MX.
+EXPERT_BYTES = {"bf16": 2.0, "mxfp8": 1 + 1 / 32, "mxfp4": 0.5 + 1 / 32}
 
-def step_bytes(cfg, B: int, context: int, itemsize: int = 2) -> dict[str, float]:
+
+def step_bytes(cfg, B: int, context: int, itemsize: int = 2, moe_format: str = "bf16") -> dict[str, float]:
     d, hd, kv = cfg.hidden_size, cfg.head_dim, cfg.num_kv_heads
     attn = d * (cfg.num_heads + 2 * kv) * hd + cfg.num_heads * hd * d
     b = {"attention_weights": 0.0, "index_weights": 0.0, "mlp_weights": 0.0, "kv_reads": 0.0,
          "lm_head": d * cfg.vocab_size * itemsize}
-    expert = 3 * d * cfg.moe_intermediate_size * itemsize
+    expert = 3 * d * cfg.moe_intermediate_size * EXPERT_BYTES[moe_format]
+    # The shared expert is stacked as one more slot (same format) when it has the routed width.
+    shared_bytes = EXPERT_BYTES[moe_format] if cfg.shared_intermediate_size == cfg.moe_intermediate_size else itemsize
     touched = cfg.num_experts * (1 - (1 - cfg.num_experts_per_tok / cfg.num_experts) ** B)
     visible = context + 1
     for a, m in zip(cfg.attn_types, cfg.mlp_types, strict=True):
@@ -46,7 +51,7 @@ def step_bytes(cfg, B: int, context: int, itemsize: int = 2) -> dict[str, float]
         if m == "dense":
             b["mlp_weights"] += 3 * d * cfg.dense_intermediate_size * itemsize
         else:
-            shared = 3 * d * cfg.shared_intermediate_size * itemsize
+            shared = 3 * d * cfg.shared_intermediate_size * shared_bytes
             b["mlp_weights"] += touched * expert + shared + d * cfg.num_experts * 4  # + the fp32 router
     b["total"] = sum(b.values())
     b["touched_experts"] = touched
@@ -70,6 +75,8 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 32, 128])
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--hbm-tbps", type=float, default=4.3)
+    ap.add_argument("--moe-format", default="bf16", choices=tuple(EXPERT_BYTES),
+                    help="the expert weights' format, prepared at load time as a checkpoint in it would be")
     ap.add_argument("--out", default="benchmarks/results/slice-decode-h200.json")
     args = ap.parse_args()
 
@@ -84,7 +91,7 @@ def main() -> None:
     t0 = time.perf_counter()
     params = init_params(cfg, dtype=jnp.bfloat16)
     if jax.default_backend() == "gpu":
-        params = prepare_params(params, "bf16", keep_reference=False)
+        params = prepare_params(params, args.moe_format, keep_reference=False)
     jax.block_until_ready(params)
     print(f"params ready in {time.perf_counter() - t0:.1f}s", flush=True)
     model = M3Model(cfg, params, make_rules(1), jnp.bfloat16)
@@ -125,12 +132,13 @@ def main() -> None:
         x = jnp.ones((B, cfg.hidden_size), jnp.bfloat16)
         head_s = timeit(lambda: jax.block_until_ready(head(x, params["lm_head"])))
         head_busy = device_profile(head, [(x, params["lm_head"])], calls=10).get("device_busy_s", head_s)
-        b = step_bytes(cfg, B, args.context)
+        b = step_bytes(cfg, B, args.context, moe_format=args.moe_format)
         bw = args.hbm_tbps * 1e12
         floor_s = b["total"] / bw
         layer_floor = (b["total"] - b["lm_head"]) / cfg.num_layers / bw
         per_layer = (step_s - head_s) / cfg.num_layers
         return {"op": "m3_slice_decode_step", "shape": {"batch": B, "context": args.context, "layers": cfg.num_layers},
+                "moe_format": args.moe_format,
                 "time_s": step_s, "floor_s": floor_s, "ratio": step_s / floor_s, "lm_head_time_s": head_s,
                 "per_layer_time_s": per_layer, "per_layer_floor_s": layer_floor,
                 "per_layer_ratio": per_layer / layer_floor, "bytes": b, "compile_s": compile_s,

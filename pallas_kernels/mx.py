@@ -199,10 +199,13 @@ def quantize_mxfp4_jnp(w: jax.Array) -> tuple[jax.Array, jax.Array]:
     biased = _jshared_exponent(jnp.max(jnp.abs(blocks), axis=-1), _E2M1_EMAX)
     x = jnp.ldexp(blocks, (127 - biased)[..., None]).reshape(w.shape)
     mag = jnp.minimum(jnp.abs(x), E2M1_MAX)
-    grid = jnp.asarray(E2M1_LUT[:8])
-    mid = (grid[1:] + grid[:-1]) / 2
-    code = jnp.sum(mag[..., None] > mid, axis=-1).astype(jnp.int32)  # mag == mid -> lower code
-    tie = (code < 7) & (mag == mid[jnp.minimum(code, 6)])
+    grid = np.asarray(E2M1_LUT[:8], np.float32)
+    mids = [float(m) for m in (grid[1:] + grid[:-1]) / 2]
+    # One compare per midpoint, summed: a [..., 7] broadcast would hold 7 fp32 copies of every expert at once.
+    code = sum((mag > m).astype(jnp.int32) for m in mids)  # mag == mid -> lower code
+    tie = jnp.zeros(mag.shape, bool)
+    for i, m in enumerate(mids):
+        tie |= (code == i) & (mag == m)
     code = jnp.where(tie & (code % 2 == 1), code + 1, code)
     code = code | ((jnp.signbit(x) & (code > 0)).astype(jnp.int32) << 3)
     packed = (code[..., 0::2] | (code[..., 1::2] << 4)).astype(jnp.uint8)

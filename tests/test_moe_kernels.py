@@ -56,6 +56,9 @@ def test_mx_device_quantisers_match_host() -> None:
     w = np.random.default_rng(0).normal(size=(3, 16, 128)).astype(np.float32)
     w[0, 0, :32] = 0.0  # an all-zero block
     w[1, 2, 7] = 1e4  # saturation edges
+    # A block whose max 6 sets scale 2^0, holding every E2M1 midpoint (ties round to the even code) and its negative.
+    mids = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0]
+    w[2, 0, :32] = [6.0, *mids, *(-m for m in mids), *([0.1] * 17)]
     q8, s8 = mx.quantize_mxfp8(w)
     jq8, js8 = mx.quantize_mxfp8_jnp(jnp.asarray(w))
     np.testing.assert_array_equal(np.asarray(jq8).view(np.uint8), q8.view(np.uint8))
@@ -68,6 +71,17 @@ def test_mx_device_quantisers_match_host() -> None:
     np.testing.assert_array_equal(np.asarray(mx.dequantize_mxfp8_jnp(jq8, js8))[np.repeat(nz, 32, -1)],
                                   mx.dequantize_mxfp8(q8, s8)[np.repeat(nz, 32, -1)])
     np.testing.assert_array_equal(np.asarray(mx.dequantize_mxfp4_jnp(jq4, js4)), mx.dequantize_mxfp4(q4, s4))
+
+
+def test_expert_quantisation_memory_does_not_scale_with_experts() -> None:
+    # The whole M3 expert stack is ~15 GiB of bf16 on one GPU: quantising it must not hold fp32 (or 7x fp32)
+    # copies of every slot at once, which is how MXFP4 preparation once ran out of memory on the H200.
+    shapes = {m: jax.ShapeDtypeStruct((32, 256, 512) if m != "down" else (32, 512, 256), jnp.bfloat16)
+              for m in layout.MATS}
+    in_bytes = sum(np.prod(s.shape) * 2 for s in shapes.values())
+    for fmt in ("mxfp8", "mxfp4"):
+        mem = jax.jit(lambda d, fmt=fmt: layout.quantize_experts(d, fmt)).lower(shapes).compile().memory_analysis()
+        assert mem.temp_size_in_bytes < 2.5 * in_bytes, (fmt, mem.temp_size_in_bytes / in_bytes)
 
 
 def test_mxfp4_rule_and_packing() -> None:

@@ -72,6 +72,16 @@ def candidates(T: int, fmt: str) -> list[MoeTiles]:
         # Narrower down tiles: twice the programs without the partials.
         out += [base.replace(dn=dataclasses.replace(base.dn, bn=64, split=d)) for d in (1, 2)]
         out.append(base.replace(gu=dataclasses.replace(base.gu, split=1), dn=dataclasses.replace(base.dn, split=1)))
+    if reg != "decode" and fmt == "dense" and base.backend == "triton":
+        # Mosaic GPU kernels (moe/kernel_mgpu.py), first: gate_up two 128-column B tiles, down one 256- or
+        # 128-column tile, 64-deep K steps (one 128-byte swizzle), 3-4 stages (4 x 48 KB + 32 KB of epilogue
+        # buffers is the most shared memory that fits).
+        def mosaic(gu: KernelTiles, dn: KernelTiles, group: int = base.group) -> MoeTiles:
+            return base.replace(bm=128, backend="mosaic", gu=gu, dn=dn, group=group, tail_heights=())
+
+        out += [mosaic(k(128, 64, 4, 4), k(256, 64, 4, 4)), mosaic(k(128, 64, 4, 4), k(128, 64, 4, 4)),
+                mosaic(k(128, 64, 4, 3), k(256, 64, 4, 3)), mosaic(k(128, 64, 4, 4), k(256, 64, 4, 4), group=8),
+                mosaic(k(128, 64, 4, 4), k(256, 64, 4, 4), group=16)]
     if reg == "mid" and fmt != "dense":
         # 8-warp MX tiles at mid size. The 4-warp table entry compiles (offline sm_90) to one 4-warp program per
         # SM: a 64-row gate_up takes the wgmma path, whose widened weights go back through shared memory, and

@@ -16,7 +16,7 @@ from m3jax.config import preset
 from m3jax.params import random_params
 from pallas_kernels import mx
 from pallas_kernels.moe import dispatch, kernel, layout, reference
-from pallas_kernels.moe.tiles import GPU_TABLE, INTERPRET_TILES, fit_tiles, pick_tiles
+from pallas_kernels.moe.tiles import GPU_TABLE, INTERPRET_TILES, KernelTiles, MoeTiles, fit_tiles, pick_tiles
 
 E, D, F, TOP_K = 8, 256, 128, 2
 KW = {"top_k": TOP_K, "routed_scaling": 2.0, "alpha": 1.702, "limit": 7.0}
@@ -251,6 +251,38 @@ def test_short_tail_blocks_equal_reference(fmt: str, heights: tuple[int, ...]) -
     want = reference.moe(h, layout.reference_params(p, jnp.float32), **KW)
     got = kernel.moe_pallas(h, p, interpret=True, tiles=tiles, **KW)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5 * float(jnp.abs(want).max()))
+
+
+MOSAIC_TILES = MoeTiles("prefill", bm=128, gu=KernelTiles(bn=128, bk=64, warps=4, stages=2),
+                        dn=KernelTiles(bn=128, bk=64, warps=4, stages=2), group=2, backend="mosaic")
+
+
+@pytest.mark.parametrize("routing", ["hot_and_empty", "random"])
+def test_mosaic_kernels_equal_triton_kernels(routing: str) -> None:
+    """The Mosaic GPU kernels (moe/kernel_mgpu.py, run by jax's GPU interpreter: warpgroups, barriers and TMA
+    simulated) against the Triton kernels on the same bf16 inputs. 200 tokens: full 128-row blocks, tails of
+    more than 64 pairs (both warpgroups) and of fewer (warpgroup 0 alone), an empty expert, unused blocks."""
+    bias = bias_with(hot=[4], cold=[6]) if routing == "hot_and_empty" else None
+    p = jax.tree.map(lambda a: a.astype(jnp.bfloat16), prepare_moe(moe_params(13, bias=bias), "bf16",
+                                                                      keep_reference=False))
+    h = hidden(14, 200, jnp.bfloat16)
+    idx, w = reference.route(h, p["router"], p["router_bias"], TOP_K)
+    lay = kernel.sort_and_pad(idx, w, num_slots=E + 1, shared_slot=True, bm=128, routed_scaling=KW["routed_scaling"])
+    rows = np.asarray(lay.rows_B)
+    assert np.any(rows == 128) and np.any((rows > 0) & (rows <= 64)) and np.any(np.asarray(lay.slot_B) < 0)
+    if routing == "hot_and_empty":
+        assert np.any((rows > 64) & (rows < 128))
+    got = kernel.moe_pallas(h, p, interpret=True, tiles=MOSAIC_TILES, **KW).astype(jnp.float32)
+    tri = kernel.moe_pallas(h, p, interpret=True, tiles=INTERPRET_TILES, **KW).astype(jnp.float32)
+    want = reference.moe(h, layout.reference_params(p, jnp.bfloat16), **KW).astype(jnp.float32)
+    assert float(jnp.linalg.norm(got - tri) / jnp.linalg.norm(tri)) < 2e-4  # summation order, bf16 act ulps
+    assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < 2e-2
+
+
+def test_mosaic_kernels_refuse_other_dtypes() -> None:
+    p = prepare_moe(moe_params(13), "bf16", keep_reference=False)  # fp32 experts
+    with pytest.raises(ValueError, match="bf16"):
+        kernel.moe_pallas(hidden(14, 40, jnp.bfloat16), p, interpret=True, tiles=MOSAIC_TILES, **KW)
 
 
 def _prmt(a: np.ndarray, sel: int) -> np.ndarray:

@@ -35,7 +35,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import mx
-from pallas_kernels.moe import layout
+from pallas_kernels.moe import kernel_mgpu, layout
 from pallas_kernels.moe.reference import dense_mlp, route, swiglu_oai
 from pallas_kernels.moe.tiles import KernelTiles, MoeTiles, fit_tiles, pick_tiles
 from pallas_kernels.sync import when_last
@@ -420,6 +420,8 @@ def kernel_tiles(num_tokens: int, experts: dict, *, tiles: MoeTiles | None = Non
     d_model = gate[1].shape[1] * layout.MX_GROUP if fmt != "dense" else gate[0].shape[1]
     d_ff = gate[0].shape[-1]
     tiles = tiles or pick_tiles(num_tokens, fmt, interpret=interpret)
+    if tiles.backend == "mosaic" and fmt != "dense":
+        raise ValueError(f"the Mosaic GPU MoE kernels take bf16 experts, not {fmt}")
     if tiles.mx_mode == "expand_asm" and layout.WIDE_SCALES in experts:
         tiles = tiles.replace(mx_mode="expand")  # scales the folded bf16 scale cannot hold (layout.py)
     if not interpret:  # a dot under 16 rows is below Triton's smallest
@@ -440,6 +442,13 @@ def routed_experts_pallas(h_TD: jax.Array, idx_TK: jax.Array, w_TK: jax.Array, e
         raise ValueError(f"no MoE tile fits these expert shapes ({fmt}); use the reference")
     lay = sort_and_pad(idx_TK, w_TK, num_slots=layout.num_slots(experts), shared_slot=shared_slot, bm=tiles.bm,
                        routed_scaling=routed_scaling, method=layout_method)
+    if tiles.backend == "mosaic":
+        group = min(tiles.group, lay.slot_B.shape[0])
+        act_MF = kernel_mgpu.gate_up(h_TD, lay.row_token_M, lay.slot_B, lay.rows_B, experts, tiles.gu, group=group,
+                                     alpha=alpha, limit=limit, interpret=interpret)
+        y_MD = kernel_mgpu.down(act_MF, lay.slot_B, lay.rows_B, lay.row_weight_M, experts, tiles.dn, group=group,
+                                interpret=interpret)
+        return combine(y_MD, lay.dest_TJ)
     act_MF = gate_up(h_TD, lay.row_token_M, lay.slot_B, lay.rows_B, experts, tiles, alpha=alpha, limit=limit,
                      interpret=interpret)
     y_MD = down(act_MF, lay.slot_B, lay.rows_B, lay.row_weight_M, experts, tiles, interpret=interpret)

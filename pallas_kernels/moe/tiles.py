@@ -65,11 +65,18 @@ class MoeTiles:
     mx_mode: str = "expand"
     tail_heights: tuple[int, ...] = ()  # rows a short last block computes (kernel._for_used_block)
     mx_rows: int = 32  # K rows of MX weight words widened per dot: 32 (one scale block) or 64 (half a group)
+    # "triton": kernel.py's Pallas Triton kernels; "mosaic": kernel_mgpu.py's warp-specialised Mosaic GPU
+    # kernels (bf16 experts, bm = 128, no split K; warps, group's meaning kept, tail_heights replaced by the
+    # kernel's own 64-row tail).
+    backend: str = "triton"
 
     def __post_init__(self) -> None:
         h = self.tail_heights
         assert list(h) == sorted(set(h)) and all(0 < x < self.bm and x & (x - 1) == 0 for x in h), h
         assert self.mx_rows in (32, 64), self.mx_rows
+        assert self.backend in ("triton", "mosaic"), self.backend
+        if self.backend == "mosaic":
+            assert self.bm == 128 and self.gu.split == self.dn.split == 1 and not self.tail_heights, self
 
     def replace(self, **kw: object) -> MoeTiles:
         if "bm" in kw and "tail_heights" not in kw:  # a new block height keeps the tail heights below it

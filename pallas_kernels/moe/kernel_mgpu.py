@@ -52,7 +52,8 @@ def _grouped_gemm(a_MK: jax.Array, ws: tuple[jax.Array, ...], slot_B: jax.Array,
                   row_weight_M: jax.Array | None, *, kt: KernelTiles, group: int, epilogue, out_cols: int,
                   name: str, interpret: bool) -> jax.Array:
     """Tiles: `kt.bn` columns per B operand (gate_up has two: gate and up), `kt.bk` K per pipeline step,
-    `kt.stages` steps in flight (`kt.warps` does not apply: 3 warpgroups). out[M, N_out] per row block b (slot s = slot_B[b] >= 0), tile j:
+    `kt.stages` steps in flight (`kt.warps` does not apply: 3 warpgroups).
+    out[M, N_out] per row block b (slot s = slot_B[b] >= 0), tile j:
     out[rows, j*out_cols:(j+1)*out_cols] = epilogue([a[rows] @ w[s][:, j*bn:(j+1)*bn] for w in ws], rw[rows])."""
     M, K = a_MK.shape
     N = ws[0].shape[-1]
@@ -61,7 +62,7 @@ def _grouped_gemm(a_MK: jax.Array, ws: tuple[jax.Array, ...], slot_B: jax.Array,
                          f"{[str(w.dtype) for w in ws]}")
     bn, bk, dt = kt.bn, kt.bk, a_MK.dtype
     nb, nt = slot_B.shape[0], N // bn
-    assert M == nb * BM and K % bk == 0 and N % bn == 0 and out_cols % EPI_COLS == 0, (M, K, N, kt)
+    assert nb * BM == M and K % bk == 0 and N % bn == 0 and out_cols % EPI_COLS == 0, (M, K, N, kt)
     tr = _swizzled(dt, bk)
     out_tr = _swizzled(dt, EPI_COLS)
     with_weights = row_weight_M is not None
@@ -107,7 +108,7 @@ def _grouped_gemm(a_MK: jax.Array, ws: tuple[jax.Array, ...], slot_B: jax.Array,
 
                     @pl.when(active)
                     def _():
-                        for acc, b_smem in zip(accs, b_smems):
+                        for acc, b_smem in zip(accs, b_smems, strict=True):
                             plgpu.wgmma(acc, a_smem.at[pl.ds(wg * WG_ROWS, WG_ROWS)], b_smem)
                         plgpu.wgmma_wait(0)
 

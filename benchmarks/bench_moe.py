@@ -79,9 +79,10 @@ def candidates(T: int, fmt: str) -> list[MoeTiles]:
         def mosaic(gu: KernelTiles, dn: KernelTiles, group: int = base.group) -> MoeTiles:
             return base.replace(bm=128, backend="mosaic", gu=gu, dn=dn, group=group, tail_heights=())
 
-        out += [mosaic(k(128, 64, 4, 4), k(256, 64, 4, 4)), mosaic(k(128, 64, 4, 4), k(128, 64, 4, 4)),
-                mosaic(k(128, 64, 4, 3), k(256, 64, 4, 3)), mosaic(k(128, 64, 4, 4), k(256, 64, 4, 4), group=8),
-                mosaic(k(128, 64, 4, 4), k(256, 64, 4, 4), group=16)]
+        # T = 8192, first sweep (moe-h200-mosaic-1.json): 3 stages 10.71 ms kernel-busy, 4 stages 11.12 / 11.11
+        # (256- / 128-column down), groups of 8 blocks 11.40, against the Triton table's 9.66 ms.
+        out += [mosaic(k(128, 64, 4, 3), k(256, 64, 4, 3), group=g) for g in (2, 1, 4, 6)]
+        out += [mosaic(k(128, 64, 4, 4), k(256, 64, 4, 4)), mosaic(k(128, 64, 4, 4), k(128, 64, 4, 4))]
     if reg == "mid" and fmt != "dense":
         # 8-warp MX tiles at mid size. The 4-warp table entry compiles (offline sm_90) to one 4-warp program per
         # SM: a 64-row gate_up takes the wgmma path, whose widened weights go back through shared memory, and

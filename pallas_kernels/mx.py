@@ -204,8 +204,8 @@ def quantize_mxfp4_jnp(w: jax.Array) -> tuple[jax.Array, jax.Array]:
     # One compare per midpoint, summed: a [..., 7] broadcast would hold 7 fp32 copies of every expert at once.
     code = sum((mag > m).astype(jnp.int32) for m in mids)  # mag == mid -> lower code
     tie = jnp.zeros(mag.shape, bool)
-    for i, m in enumerate(mids):
-        tie |= (code == i) & (mag == m)
+    for m in mids:
+        tie |= mag == m
     code = jnp.where(tie & (code % 2 == 1), code + 1, code)
     code = code | ((jnp.signbit(x) & (code > 0)).astype(jnp.int32) << 3)
     packed = (code[..., 0::2] | (code[..., 1::2] << 4)).astype(jnp.uint8)

@@ -37,7 +37,7 @@ from jax.experimental.pallas import triton as pltriton
 from pallas_kernels import mx
 from pallas_kernels.moe import kernel_mgpu, layout
 from pallas_kernels.moe.reference import dense_mlp, route, swiglu_oai
-from pallas_kernels.moe.tiles import KernelTiles, MoeTiles, fit_tiles, pick_tiles
+from pallas_kernels.moe.tiles import KernelTiles, MoeTiles, block_and_tile, fit_tiles, pick_tiles
 from pallas_kernels.sync import when_last
 
 
@@ -152,13 +152,9 @@ def _block_rows(slot_B: jax.Array, sizes_S: jax.Array, bstart_S: jax.Array, bm: 
 
 def _block_and_tile(nb: int, nt: int, group: int, split: int = 1) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Program id -> (row block, N tile, K split): the `split` programs of one output tile next to each other
-    (so they run together), then row blocks fastest inside groups of `group`, then N tiles."""
-    pid = pl.program_id(0) // split
-    per_group = group * nt
-    first = (pid // per_group) * group
-    size = jnp.minimum(nb - first, group)
-    local = pid % per_group
-    return first + local % size, local // size, pl.program_id(0) % split
+    (so they run together), output tiles in `tiles.block_and_tile`'s order."""
+    b, j = block_and_tile(pl.program_id(0) // split, nb, nt, group)
+    return b, j, pl.program_id(0) % split
 
 
 def _k_steps(k: int, kt: KernelTiles, s: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -7,7 +7,7 @@ lowering can keep the tensor cores fed from shared memory with one warpgroup loa
 H200 (benchmarks/results/mgpu-gemm-probe-h200.json).
 
 Each CTA loops over output tiles (a 128-row block of the sorted rows x `bn` columns), 132 CTAs for 132 SMs,
-tiles in the Triton kernels' order (`kernel.block_and_tile`: row blocks fastest inside groups, so the CTAs in
+tiles in the Triton kernels' order (`tiles.block_and_tile`: row blocks fastest inside groups, so the CTAs in
 flight share weight tiles in L2). Compute warpgroup w takes rows 64w .. 64w + 63 of the block; a block whose
 pairs all fit in its first 64 rows (a slot's last block) runs only warpgroup 0, and the rows below stay
 unwritten, as in the Triton kernels' tail blocks. gate_up reads x through TMA, so its rows are gathered into
@@ -29,7 +29,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.moe import layout
 from pallas_kernels.moe.reference import swiglu_oai
-from pallas_kernels.moe.tiles import KernelTiles
+from pallas_kernels.moe.tiles import KernelTiles, block_and_tile
 
 WG_ROWS = 64  # rows of one compute warpgroup's wgmma (the instruction's M)
 BM = 2 * WG_ROWS  # row block height: the two compute warpgroups
@@ -158,16 +158,6 @@ def _grouped_gemm(a_MK: jax.Array, ws: tuple[jax.Array, ...], slot_B: jax.Array,
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(*args)
-
-
-def block_and_tile(u: jax.Array, nb: int, nt: int, group: int) -> tuple[jax.Array, jax.Array]:
-    """Tile index -> (row block, N tile): row blocks fastest inside groups of `group`, then N tiles (the order
-    `kernel._block_and_tile` gives the Triton programs)."""
-    per_group = group * nt
-    first = (u // per_group) * group
-    size = jnp.minimum(nb - first, group)
-    local = u % per_group
-    return first + local % size, local // size
 
 
 def gate_up(h_TD: jax.Array, row_token_M: jax.Array, slot_B: jax.Array, rows_B: jax.Array, experts: dict,

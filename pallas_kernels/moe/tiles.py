@@ -45,6 +45,9 @@ from __future__ import annotations
 import dataclasses
 import os
 
+import jax
+import jax.numpy as jnp
+
 
 @dataclasses.dataclass(frozen=True)
 class KernelTiles:
@@ -66,8 +69,8 @@ class MoeTiles:
     tail_heights: tuple[int, ...] = ()  # rows a short last block computes (kernel._for_used_block)
     mx_rows: int = 32  # K rows of MX weight words widened per dot: 32 (one scale block) or 64 (half a group)
     # "triton": kernel.py's Pallas Triton kernels; "mosaic": kernel_mgpu.py's warp-specialised Mosaic GPU
-    # kernels (bf16 experts, bm = 128, no split K; warps, group's meaning kept, tail_heights replaced by the
-    # kernel's own 64-row tail).
+    # kernels (bf16 experts, bm = 128, no split K, no tail_heights: a block of <= 64 pairs runs one of its two
+    # compute warpgroups; `warps` is unused, bn / bk / stages / group mean what they mean for Triton).
     backend: str = "triton"
 
     def __post_init__(self) -> None:
@@ -153,6 +156,17 @@ SINGLE_TOKEN_DOWN_SPLIT = {"mxfp8": 2}
 # (D, F of a few hundred) multi-tile in every direction, which is what the tests are about.
 INTERPRET_TILES = MoeTiles("interpret", bm=16, gu=KernelTiles(bn=64, bk=128, warps=4, stages=1),
                            dn=KernelTiles(bn=64, bk=128, warps=4, stages=1), group=2)
+
+
+def block_and_tile(u: jax.Array, nb: int, nt: int, group: int) -> tuple[jax.Array, jax.Array]:
+    """Output tile u -> (row block, N tile): row blocks fastest inside groups of `group`, then N tiles, so the
+    tiles in flight share weight tiles (blocks of one expert) and x tiles in L2. Both backends launch in this
+    order (Triton: one program a tile; Mosaic: persistent CTAs walking it)."""
+    per_group = group * nt
+    first = (u // per_group) * group
+    size = jnp.minimum(nb - first, group)
+    local = u % per_group
+    return first + local % size, local // size
 
 
 def regime(num_tokens: int) -> str:

@@ -220,29 +220,3 @@ def unpack_e2m1_jnp(packed: jax.Array) -> jax.Array:
 def dequantize_mxfp4_jnp(packed: jax.Array, scale: jax.Array, dtype: jnp.dtype = jnp.float32) -> jax.Array:
     vals = _jblocks(e2m1_to_f32(unpack_e2m1_jnp(packed))) * e8m0_to_f32(scale)[..., None]
     return vals.reshape(*packed.shape[:-1], -1).astype(dtype)
-
-
-# ---- activations as two e4m3 terms (the MoE kernels' "fp8_mma" mode) --------------------------------------
-
-# The low term is stored 2^4 larger than it counts, so that it sits in e4m3's normal range like the high term.
-SPLIT_LO_SHIFT = 4
-
-
-def split_e4m3(x_RK: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """x [R, K] -> (hi, lo, inv_scale [R] fp32) with x = inv_scale * (hi + lo * 2^-SPLIT_LO_SHIFT).
-
-    Why: an fp8 x fp8 MMA reads MXFP8 weight bytes as they are (no widening in registers), and two e4m3 terms
-    carry a bf16 activation exactly. Per row, sigma = 2^floor(log2(448 / max|x|)) puts the row's largest
-    element near e4m3's top; hi = e4m3(x sigma) keeps its 4 leading significant bits and the residual (at most
-    4 more bits: bf16 has 8) goes to lo. Exact for bf16 elements down to 2^-12 of the row's largest (below
-    that lo turns subnormal and rounds, by at most 2^-10 / 16 of sigma's unit); fp32 inputs keep ~8 bits.
-    """
-    xs = x_RK.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(xs), axis=-1)
-    _, e = jnp.frexp(jnp.where(amax > 0, amax, 1.0))  # amax in [2^(e-1), 2^e)
-    exp = 9 - e  # amax * 2^exp in [256, 512): above 448 take one less
-    exp = jnp.where(jnp.ldexp(amax, exp) > E4M3_MAX, exp - 1, exp)
-    xs = jnp.ldexp(xs, exp[:, None])
-    hi = xs.astype(jnp.float8_e4m3fn)
-    lo = jnp.ldexp(xs - hi.astype(jnp.float32), SPLIT_LO_SHIFT).astype(jnp.float8_e4m3fn)
-    return hi, lo, jnp.ldexp(jnp.ones_like(amax), -exp)

@@ -67,9 +67,6 @@ def max_row_blocks(num_rows: int, num_slots: int, bm: int) -> int:
 # quadratically.
 COMPARE_LAYOUT_MAX_PAIRS = 1024
 
-# MX modes whose dots are fp8 x fp8 on the weight bytes, with the activations split into two e4m3 terms.
-FP8_MMA_MODES = ("fp8_mma", "fp8_mma_asm")
-
 
 def sort_and_pad(idx_TK: jax.Array, w_TK: jax.Array, *, num_slots: int, shared_slot: bool, bm: int,
                  routed_scaling: float, method: str | None = None) -> RowLayout:
@@ -183,10 +180,8 @@ def _mac(acc: jax.Array, x_ref, rows: pl.Slice | jax.Array, k0: jax.Array, w_ref
          col0: jax.Array, *, fmt: str, bn: int, bk: int, mx_mode: str, mx_rows: int) -> jax.Array:
     """acc += x[rows, k0:k0+bk] @ W[slot, k0:k0+bk, col0:col0+bn], W decoded from its format. `rows`: a slice of
     x's rows, or the [bm] row indices to gather (gate_up reads the tokens' hidden states in place)."""
-    cols = pl.ds(col0, bn)
-    if mx_mode in FP8_MMA_MODES:
-        return _mac_fp8(acc, x_ref, rows, k0, w_refs, slot, cols, bk=bk, asm=mx_mode == "fp8_mma_asm")
     cdt = x_ref.dtype
+    cols = pl.ds(col0, bn)
     if fmt == "dense":
         return acc + _dot(x_ref[rows, pl.ds(k0, bk)], w_refs[0][slot, pl.ds(k0, bk), cols].astype(cdt))
     # MX (layout.py): a 128-group of K is `per` runs of `run` elements; word r of the group holds element r of
@@ -223,40 +218,6 @@ def _mac(acc: jax.Array, x_ref, rows: pl.Slice | jax.Array, k0: jax.Array, w_ref
     return acc
 
 
-def _fp8_field(word: jax.Array, field: int, *, asm: bool) -> jax.Array:
-    """Byte `field` of each 16-bit MXFP8 word as float8_e4m3fn (same shape): the weights as they are."""
-    if asm:
-        # One PRMT gathers that byte of four words (two registers) into one register of four e4m3.
-        [w] = pltriton.elementwise_inline_asm(
-            f"prmt.b32 $0, $1, $2, {layout.FIELD_BYTES_PRMT[field]:#x};", args=[word], constraints="=r,r,r",
-            pack=4, result_shape_dtypes=[jax.ShapeDtypeStruct(word.shape, jnp.float8_e4m3fn)])
-        return w
-    return jax.lax.bitcast_convert_type(((word >> (8 * field)) & 0xFF).astype(jnp.uint8), jnp.float8_e4m3fn)
-
-
-def _mac_fp8(acc: jax.Array, x_refs: tuple, rows: pl.Slice | jax.Array, k0: jax.Array, w_refs: tuple,
-             slot: jax.Array, cols: pl.Slice, *, bk: int, asm: bool) -> jax.Array:
-    """_mac for MXFP8 weights and activations split into two e4m3 terms (mx.split_e4m3): fp8 x fp8 dots of one
-    32-row scale block each, the weight bytes unwidened, the block's scale applied to the dot's fp32 result.
-    The acc is in units of the rows' split scale (the kernels' epilogues undo it)."""
-    hi_ref, lo_ref = x_refs
-    q_ref, s_ref = w_refs
-    run = layout.MX_GROUP // 2  # MXFP8 word r of a group holds K elements r and r + 64
-    lo_weight = 2.0 ** -mx.SPLIT_LO_SHIFT
-    for g in range(bk // layout.MX_GROUP):
-        kg = k0 + g * layout.MX_GROUP
-        s_word = s_ref[slot, pl.ds(kg // layout.MX_GROUP, 1), cols]  # [1, bn] uint32: the group's 4 scales
-        for c in range(run // mx.BLOCK):
-            word = q_ref[slot, pl.ds(kg // 2 + c * mx.BLOCK, mx.BLOCK), cols]  # [32, bn] uint16
-            for j in range(2):
-                first = j * run + c * mx.BLOCK
-                w = _fp8_field(word, j, asm=asm)
-                xs = pl.ds(kg + first, mx.BLOCK)
-                d = _dot(hi_ref[rows, xs], w) + _dot(lo_ref[rows, xs], w) * lo_weight
-                acc = acc + d * mx.e8m0_to_f32((s_word >> (8 * (first // mx.BLOCK))) & 0xFF)
-    return acc
-
-
 def _for_used_block(slot: jax.Array, rows_ref, b: jax.Array, bm: int, heights: tuple[int, ...], body) -> None:
     """body(m) for a used row block, m = the rows it computes: the smallest of `heights` (ascending, each < bm)
     that holds the block's pairs, else bm (`MoeTiles.tail_heights`: a slot's last block is half padding on
@@ -272,12 +233,9 @@ def _for_used_block(slot: jax.Array, rows_ref, b: jax.Array, bm: int, heights: t
         lo = h
 
 
-def _gate_up_kernel(slot_ref, rows_ref, token_ref, *refs, n_x: int, n_w: int, fmt: str, bm: int, kt: KernelTiles,
+def _gate_up_kernel(slot_ref, rows_ref, token_ref, x_ref, *refs, n_w: int, fmt: str, bm: int, kt: KernelTiles,
                     nb: int, nt: int, group: int, mx_mode: str, mx_rows: int, tail_heights: tuple[int, ...],
                     alpha: float, limit: float, interpret: bool):
-    # x: h [T, D], or in the fp8 modes its two e4m3 terms and each token's split scale (mx.split_e4m3).
-    x_refs, refs = refs[:n_x], refs[n_x:]
-    x_ref = x_refs[0] if n_x == 1 else x_refs[:2]
     g_refs, u_refs = refs[:n_w], refs[n_w:2 * n_w]
     o_ref = refs[-1] if kt.split == 1 else refs[-3]  # (split-K: count in, act, partials, count out)
     b, j, ks = _block_and_tile(nb, nt, group, kt.split)
@@ -296,10 +254,7 @@ def _gate_up_kernel(slot_ref, rows_ref, token_ref, *refs, n_x: int, n_w: int, fm
             return mac(accs[0], k0=k0, w_refs=g_refs), mac(accs[1], k0=k0, w_refs=u_refs)
 
         zeros = jnp.zeros((m, kt.bn), jnp.float32)
-        gate, up = jax.lax.fori_loop(*_k_steps(x_refs[0].shape[1], kt, ks), step, (zeros, zeros))
-        if n_x == 3:
-            inv_B = x_refs[2][tok_B][:, None]
-            gate, up = gate * inv_B, up * inv_B
+        gate, up = jax.lax.fori_loop(*_k_steps(x_ref.shape[1], kt, ks), step, (zeros, zeros))
         rows, cols = pl.ds(row0, m), pl.ds(n0, kt.bn)
 
         def epilogue(gate: jax.Array, up: jax.Array) -> None:
@@ -337,11 +292,9 @@ def _last_split_sums(part_ref, count_ref, gate, up, tile, ks, rows, cols, epilog
     when_last(count_ref, tile, split, sum_and_finish, interpret=interpret)
 
 
-def _down_kernel(slot_ref, rows_ref, rw_ref, *refs, n_x: int, fmt: str, bm: int, kt: KernelTiles, nb: int, nt: int,
+def _down_kernel(slot_ref, rows_ref, rw_ref, a_ref, *refs, fmt: str, bm: int, kt: KernelTiles, nb: int, nt: int,
                  group: int, mx_mode: str, mx_rows: int, tail_heights: tuple[int, ...]):
-    # act [M, F], or its two e4m3 terms (the split scale is folded into rw).
-    a_refs, w_refs, o_ref = refs[:n_x], refs[n_x:-1], refs[-1]
-    a_ref = a_refs[0] if n_x == 1 else a_refs
+    w_refs, o_ref = refs[:-1], refs[-1]
     b, j, ks = _block_and_tile(nb, nt, group, kt.split)
     slot = slot_ref[b]
 
@@ -354,7 +307,7 @@ def _down_kernel(slot_ref, rows_ref, rw_ref, *refs, n_x: int, fmt: str, bm: int,
             return _mac(acc, a_ref, pl.ds(row0, m), k0, w_refs, slot, n0, fmt=fmt, bn=kt.bn, bk=kt.bk,
                         mx_mode=mx_mode, mx_rows=mx_rows)
 
-        acc = jax.lax.fori_loop(*_k_steps(a_refs[0].shape[1], kt, ks), step, jnp.zeros((m, kt.bn), jnp.float32))
+        acc = jax.lax.fori_loop(*_k_steps(a_ref.shape[1], kt, ks), step, jnp.zeros((m, kt.bn), jnp.float32))
         # The combine weight (routing weight * routed_scaling; 1 for the shared slot) is applied here, in fp32.
         y = acc * rw_ref[pl.ds(row0, m)][:, None]
         if kt.split == 1:
@@ -366,11 +319,9 @@ def _down_kernel(slot_ref, rows_ref, rw_ref, *refs, n_x: int, fmt: str, bm: int,
 
 
 def _mode(tiles: MoeTiles, interpret: bool) -> str:
-    """The MX mode a kernel runs: inline PTX cannot run in the interpreter, where "expand_asm" and "fp8_mma_asm"
-    compute the same values the plain "expand" / "fp8_mma" way."""
-    if interpret:
-        return {"expand_asm": "expand", "fp8_mma_asm": "fp8_mma"}.get(tiles.mx_mode, tiles.mx_mode)
-    return tiles.mx_mode
+    """The MX mode a kernel runs: inline PTX cannot run in the interpreter, where "expand_asm" computes the same
+    values the plain "expand" way."""
+    return "expand" if interpret and tiles.mx_mode == "expand_asm" else tiles.mx_mode
 
 
 def _check_offsets(*arrays: jax.Array) -> None:
@@ -399,12 +350,11 @@ def gate_up(h_TD: jax.Array, row_token_M: jax.Array, slot_B: jax.Array, rows_B: 
     _check_tiles(tiles.bm, kt, D, F, fmt)
     _check_offsets(h_TD, *g_arrays, *u_arrays)
     nt = F // kt.bn
-    x_arrays = mx.split_e4m3(h_TD) if tiles.mx_mode in FP8_MMA_MODES else (h_TD,)
-    kernel = functools.partial(_gate_up_kernel, n_x=len(x_arrays), n_w=len(g_arrays), fmt=fmt, bm=tiles.bm,
-                               kt=kt, nb=nb, nt=nt, group=min(tiles.group, nb), mx_mode=_mode(tiles, interpret),
+    kernel = functools.partial(_gate_up_kernel, n_w=len(g_arrays), fmt=fmt, bm=tiles.bm, kt=kt, nb=nb, nt=nt,
+                               group=min(tiles.group, nb), mx_mode=_mode(tiles, interpret),
                                mx_rows=tiles.mx_rows, tail_heights=tiles.tail_heights, alpha=alpha, limit=limit,
                                interpret=interpret)
-    args = (slot_B, rows_B, row_token_M.astype(jnp.int32), *x_arrays, *g_arrays, *u_arrays)
+    args = (slot_B, rows_B, row_token_M.astype(jnp.int32), h_TD, *g_arrays, *u_arrays)
     out_shape = jax.ShapeDtypeStruct((M, F), h_TD.dtype)
     extra = {}
     if kt.split > 1:  # fp32 partials of each split, and per output tile the programs done (zeros, aliased)
@@ -436,11 +386,7 @@ def down(act_MF: jax.Array, slot_B: jax.Array, rows_B: jax.Array, row_weight_M: 
     _check_tiles(tiles.bm, kt, F, D, fmt)
     _check_offsets(act_MF, *w_arrays)
     nt = D // kt.bn
-    a_arrays = (act_MF,)
-    if tiles.mx_mode in FP8_MMA_MODES:
-        hi, lo, inv_M = mx.split_e4m3(act_MF)
-        a_arrays, row_weight_M = (hi, lo), row_weight_M * inv_M
-    kernel = functools.partial(_down_kernel, n_x=len(a_arrays), fmt=fmt, bm=tiles.bm, kt=kt, nb=nb, nt=nt,
+    kernel = functools.partial(_down_kernel, fmt=fmt, bm=tiles.bm, kt=kt, nb=nb, nt=nt,
                                group=min(tiles.group, nb), mx_mode=_mode(tiles, interpret),
                                mx_rows=tiles.mx_rows, tail_heights=tiles.tail_heights)
     shape = (M, D) if kt.split == 1 else (kt.split, M, D)
@@ -451,7 +397,7 @@ def down(act_MF: jax.Array, slot_B: jax.Array, rows_B: jax.Array, row_weight_M: 
         compiler_params=pltriton.CompilerParams(num_warps=kt.warps, num_stages=kt.stages),
         interpret=interpret,
         name=f"moe_down_{fmt}" + (f"_split{kt.split}" if kt.split > 1 else ""),
-    )(slot_B, rows_B, row_weight_M, *a_arrays, *w_arrays)
+    )(slot_B, rows_B, row_weight_M, act_MF, *w_arrays)
 
 
 def experts_of(p: dict) -> tuple[dict, bool]:
@@ -472,8 +418,6 @@ def kernel_tiles(num_tokens: int, experts: dict, *, tiles: MoeTiles | None = Non
     tiles = tiles or pick_tiles(num_tokens, fmt, interpret=interpret)
     if tiles.backend == "mosaic" and fmt != "dense":
         raise ValueError(f"the Mosaic GPU MoE kernels take bf16 experts, not {fmt}")
-    if tiles.mx_mode in FP8_MMA_MODES and fmt != "mxfp8":
-        raise ValueError(f"mx_mode {tiles.mx_mode!r} reads MXFP8 weight bytes, not {fmt} weights")
     if tiles.mx_mode == "expand_asm" and layout.WIDE_SCALES in experts:
         tiles = tiles.replace(mx_mode="expand")  # scales the folded bf16 scale cannot hold (layout.py)
     if not interpret:  # a dot under 16 rows is below Triton's smallest

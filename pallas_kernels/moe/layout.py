@@ -149,9 +149,6 @@ def decode_codes(codes: jax.Array, fmt: str, dtype: jnp.dtype = jnp.float32) -> 
 # scale carries the 2^120: 2^(s - 7), bf16 bits (s + 120) << 7, exact for s <= ASM_BF16_MAX_SCALE["mxfp8"].
 E4M3_BF16_PRMT = (0xA280, 0xB391)  # low bytes of the two words, high bytes of the two words, each with its sign
 E4M3_BF16_SHIFT, E4M3_BF16_MASK = 4, 0x87F087F0
-# The "fp8_mma" modes' PRMT: of two registers holding four words (bytes 0-7), the low bytes (field 0) or the
-# high bytes (field 1) of all four, in word order: four e4m3 that the fp8 MMA reads as they are.
-FIELD_BYTES_PRMT = (0x6420, 0x7531)
 # E2M1 nibbles -> bf16 pairs the same way (MXFP4's "expand_asm"): a register holds two words of four nibbles; for
 # field j of both, one shift puts its sign bit at bf16's bit 15 and another its 3 magnitude bits (2 exponent, 1
 # mantissa) at bf16's bits 6..8, two ANDs keep just those, an OR joins them (ptxas fuses the logic into LOP3s).

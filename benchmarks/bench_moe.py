@@ -388,8 +388,7 @@ def main() -> None:
     def run_kernels_only(h_TD, row_token_M, slot_B, rows_B, row_weight_M, experts, tiles):
         act = kernel.gate_up(h_TD, row_token_M, slot_B, rows_B, experts, tiles, alpha=ALPHA, limit=LIMIT,
                              interpret=args.interpret)
-        return kernel.down(act, slot_B, rows_B, row_weight_M, experts, tiles, alpha=ALPHA, limit=LIMIT,
-                           interpret=args.interpret)
+        return kernel.down(act, slot_B, rows_B, row_weight_M, experts, tiles, interpret=args.interpret)
 
     for T in [t for t in args.tokens if t in args.kernels_only_tokens]:
         for name in [f for f in args.formats if f not in args.skip_main]:
@@ -426,8 +425,7 @@ def main() -> None:
         x_MD = h[lay.row_token_M]
         act = kernel.gate_up(x_MD, jnp.arange(x_MD.shape[0], dtype=jnp.int32), lay.slot_B, lay.rows_B, experts,
                              tiles, alpha=ALPHA, limit=LIMIT, interpret=args.interpret)
-        y = kernel.down(act, lay.slot_B, lay.rows_B, lay.row_weight_M, experts, tiles, alpha=ALPHA, limit=LIMIT,
-                        interpret=args.interpret)
+        y = kernel.down(act, lay.slot_B, lay.rows_B, lay.row_weight_M, experts, tiles, interpret=args.interpret)
         return kernel.combine(y, lay.dest_TJ)
 
     for T in [t for t in args.tokens if t in args.gather_ab_tokens]:

@@ -123,9 +123,7 @@ def lower_ttir(which: str, fmt: str, tiles, tokens: int) -> tuple[str, dict]:
         args = (sds((tokens, D), jnp.bfloat16), sds((nb * bm,), jnp.int32), slot, slot, experts)
     else:
         def fn(a, slot, rows, rw, experts):
-            if tiles.mx_mode in kernel.SPLIT_MODES:  # act and its f16 copy
-                a = (a, a.astype(jnp.float16))
-            return kernel.down(a, slot, rows, rw, experts, tiles, alpha=1.702, limit=7.0)
+            return kernel.down(a, slot, rows, rw, experts, tiles)
         args = (sds((nb * bm, F), jnp.bfloat16), slot, slot, sds((nb * bm,), jnp.float32), experts)
     dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="cuda")
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=dev)):

@@ -220,25 +220,3 @@ def unpack_e2m1_jnp(packed: jax.Array) -> jax.Array:
 def dequantize_mxfp4_jnp(packed: jax.Array, scale: jax.Array, dtype: jnp.dtype = jnp.float32) -> jax.Array:
     vals = _jblocks(e2m1_to_f32(unpack_e2m1_jnp(packed))) * e8m0_to_f32(scale)[..., None]
     return vals.reshape(*packed.shape[:-1], -1).astype(dtype)
-
-
-# ---- f16 activations (the MoE kernels' "split" modes) -----------------------------------------------------
-
-
-def f16_rows(x_RK: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """x [R, K] -> (x16 [R, K] float16, inv_scale [R] fp32) with x = inv_scale * x16: each row scaled by a power
-    of two that puts its largest magnitude in [2^14, 2^15), below f16's 65504. A bf16 x (8 significant bits)
-    is then exact in f16 (11) down to 2^-29 of its row's largest element (f16's smallest normal, 2^-14)."""
-    xs = x_RK.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(xs), axis=-1)
-    _, e = jnp.frexp(jnp.where(amax > 0, amax, 1.0))  # amax in [2^(e-1), 2^e)
-    return jnp.ldexp(xs, (15 - e)[:, None]).astype(jnp.float16), jnp.ldexp(jnp.ones_like(amax), e - 15)
-
-
-def swiglu_f16_scale(alpha: float, limit: float) -> float:
-    """A power of two that maps every SwiGLU-OAI output (moe.reference.swiglu_oai) into f16's range: the gate
-    side is at most `limit` (or the negative lobe's depth, 0.279 / alpha), the up side at most limit + 1."""
-    if not np.isfinite(limit) or limit <= 0:
-        raise ValueError(f"the f16 activation copy needs a finite positive SwiGLU limit, got {limit}")
-    bound = (limit + 1.0) * max(limit, 0.279 / alpha)
-    return float(2.0 ** np.floor(np.log2(60000.0 / bound)))

@@ -67,9 +67,6 @@ def max_row_blocks(num_rows: int, num_slots: int, bm: int) -> int:
 # quadratically.
 COMPARE_LAYOUT_MAX_PAIRS = 1024
 
-# MXFP8 modes that widen a word's two bytes on two different units (_mac_split): x comes with an f16 copy.
-SPLIT_MODES = ("split", "split_asm")
-
 
 def sort_and_pad(idx_TK: jax.Array, w_TK: jax.Array, *, num_slots: int, shared_slot: bool, bm: int,
                  routed_scaling: float, method: str | None = None) -> RowLayout:
@@ -183,8 +180,6 @@ def _mac(acc: jax.Array, x_ref, rows: pl.Slice | jax.Array, k0: jax.Array, w_ref
          col0: jax.Array, *, fmt: str, bn: int, bk: int, mx_mode: str, mx_rows: int) -> jax.Array:
     """acc += x[rows, k0:k0+bk] @ W[slot, k0:k0+bk, col0:col0+bn], W decoded from its format. `rows`: a slice of
     x's rows, or the [bm] row indices to gather (gate_up reads the tokens' hidden states in place)."""
-    if mx_mode in SPLIT_MODES:
-        return _mac_split(acc, x_ref, rows, k0, w_refs, slot, pl.ds(col0, bn), bk=bk, asm=mx_mode == "split_asm")
     cdt = x_ref.dtype
     cols = pl.ds(col0, bn)
     if fmt == "dense":
@@ -223,44 +218,6 @@ def _mac(acc: jax.Array, x_ref, rows: pl.Slice | jax.Array, k0: jax.Array, w_ref
     return acc
 
 
-def _mac_split(accs: tuple[jax.Array, jax.Array], x_refs: tuple, rows: pl.Slice | jax.Array, k0: jax.Array,
-               w_refs: tuple, slot: jax.Array, cols: pl.Slice, *, bk: int, asm: bool) -> tuple[jax.Array, jax.Array]:
-    """_mac for MXFP8 in the "split" modes: each word's two bytes are widened by two different units, so that
-    neither bounds the kernel alone. Field 0 goes the "expand_asm" way (integer-pipe bit moves to bf16, the
-    scale multiplied in, a bf16 dot) into accs[0]; field 1 through the conversion unit (one cvt.rn.f16x2.e4m3x2
-    per pair, layout.F16_WIDENING_PTX), an f16 dot against x16 (x scaled into f16's range) and its block scale
-    on the fp32 result, into accs[1], in x16's units (the epilogues scale it back). `asm=False` (interpret mode,
-    or the "split" mode) widens both fields with plain jnp conversions to the same values."""
-    x_ref, x16_ref = x_refs
-    q_ref, s_ref = w_refs
-    acc, acc16 = accs
-    run = layout.MX_GROUP // 2  # MXFP8 word r of a group holds K elements r (field 0) and r + 64 (field 1)
-    for g in range(bk // layout.MX_GROUP):
-        kg = k0 + g * layout.MX_GROUP
-        s_word = s_ref[slot, pl.ds(kg // layout.MX_GROUP, 1), cols]  # [1, bn] uint32: the group's 4 scales
-        for c in range(run // mx.BLOCK):
-            word = q_ref[slot, pl.ds(kg // 2 + c * mx.BLOCK, mx.BLOCK), cols]  # [32, bn] uint16
-            s0 = (s_word >> (8 * c)) & 0xFF  # K block c of the group holds field 0's elements, 2 + c field 1's
-            s1 = (s_word >> (8 * (2 + c))) & 0xFF
-            x0 = x_ref[rows, pl.ds(kg + c * mx.BLOCK, mx.BLOCK)]
-            x1 = x16_ref[rows, pl.ds(kg + run + c * mx.BLOCK, mx.BLOCK)]
-            if asm:
-                s0 = jnp.broadcast_to(layout.asm_bf16_scale(s0, "mxfp8"), word.shape)
-                [w0] = pltriton.elementwise_inline_asm(
-                    layout.widening_ptx("mxfp8", 0), args=[word, s0], constraints="=r,r,r", pack=2,
-                    result_shape_dtypes=[jax.ShapeDtypeStruct(word.shape, jnp.bfloat16)])
-                [w1] = pltriton.elementwise_inline_asm(
-                    layout.F16_WIDENING_PTX, args=[word], constraints="=r,r", pack=2,
-                    result_shape_dtypes=[jax.ShapeDtypeStruct(word.shape, jnp.float16)])
-            else:
-                code = word.astype(jnp.int32)
-                w0 = layout.decode_codes(code & 0xFF, "mxfp8") * mx.e8m0_to_f32(s0)
-                w1 = layout.decode_codes(code >> 8, "mxfp8", jnp.float16)
-            acc = acc + _dot(x0, w0.astype(x0.dtype))
-            acc16 = acc16 + _dot(x1, w1) * mx.e8m0_to_f32(s1)
-    return acc, acc16
-
-
 def _for_used_block(slot: jax.Array, rows_ref, b: jax.Array, bm: int, heights: tuple[int, ...], body) -> None:
     """body(m) for a used row block, m = the rows it computes: the smallest of `heights` (ascending, each < bm)
     that holds the block's pairs, else bm (`MoeTiles.tail_heights`: a slot's last block is half padding on
@@ -276,19 +233,11 @@ def _for_used_block(slot: jax.Array, rows_ref, b: jax.Array, bm: int, heights: t
         lo = h
 
 
-def _gate_up_kernel(slot_ref, rows_ref, token_ref, *refs, n_w: int, fmt: str, bm: int, kt: KernelTiles,
+def _gate_up_kernel(slot_ref, rows_ref, token_ref, x_ref, *refs, n_w: int, fmt: str, bm: int, kt: KernelTiles,
                     nb: int, nt: int, group: int, mx_mode: str, mx_rows: int, tail_heights: tuple[int, ...],
-                    alpha: float, limit: float, act16_scale: float | None, interpret: bool):
-    # x = h [T, D]; in the split modes also its f16 copy and each token's scale back (mx.f16_rows), and the
-    # output is act plus act16 = act * act16_scale in f16 for down's f16 half.
-    split_fields = mx_mode in SPLIT_MODES
-    n_x = 3 if split_fields else 1
-    x_refs, refs = refs[:n_x], refs[n_x:]
-    x_ref = x_refs[:2] if split_fields else x_refs[0]
+                    alpha: float, limit: float, interpret: bool):
     g_refs, u_refs = refs[:n_w], refs[n_w:2 * n_w]
     o_ref = refs[-1] if kt.split == 1 else refs[-3]  # (split-K: count in, act, partials, count out)
-    if split_fields:
-        o_ref, o16_ref = refs[-2], refs[-1]
     b, j, ks = _block_and_tile(nb, nt, group, kt.split)
     slot = slot_ref[b]
 
@@ -305,20 +254,12 @@ def _gate_up_kernel(slot_ref, rows_ref, token_ref, *refs, n_w: int, fmt: str, bm
             return mac(accs[0], k0=k0, w_refs=g_refs), mac(accs[1], k0=k0, w_refs=u_refs)
 
         zeros = jnp.zeros((m, kt.bn), jnp.float32)
-        if split_fields:
-            zeros = (zeros, zeros)
-        gate, up = jax.lax.fori_loop(*_k_steps(x_refs[0].shape[1], kt, ks), step, (zeros, zeros))
-        if split_fields:
-            inv_B = x_refs[2][tok_B][:, None]
-            gate, up = gate[0] + gate[1] * inv_B, up[0] + up[1] * inv_B
+        gate, up = jax.lax.fori_loop(*_k_steps(x_ref.shape[1], kt, ks), step, (zeros, zeros))
         rows, cols = pl.ds(row0, m), pl.ds(n0, kt.bn)
 
         def epilogue(gate: jax.Array, up: jax.Array) -> None:
             # SwiGLU-OAI (the reference's own function) on the fp32 accumulators, before the one rounding to bf16.
-            act = swiglu_oai(gate, up, alpha=alpha, limit=limit).astype(o_ref.dtype)
-            o_ref[rows, cols] = act
-            if split_fields:
-                o16_ref[rows, cols] = (act.astype(jnp.float32) * act16_scale).astype(jnp.float16)
+            o_ref[rows, cols] = swiglu_oai(gate, up, alpha=alpha, limit=limit).astype(o_ref.dtype)
 
         if kt.split == 1:
             epilogue(gate, up)
@@ -351,12 +292,9 @@ def _last_split_sums(part_ref, count_ref, gate, up, tile, ks, rows, cols, epilog
     when_last(count_ref, tile, split, sum_and_finish, interpret=interpret)
 
 
-def _down_kernel(slot_ref, rows_ref, rw_ref, *refs, fmt: str, bm: int, kt: KernelTiles, nb: int, nt: int,
-                 group: int, mx_mode: str, mx_rows: int, tail_heights: tuple[int, ...], act16_scale: float | None):
-    split_fields = mx_mode in SPLIT_MODES  # act and its f16 copy (act16_scale times larger)
-    n_a = 2 if split_fields else 1
-    a_refs, w_refs, o_ref = refs[:n_a], refs[n_a:-1], refs[-1]
-    a_ref = a_refs if split_fields else a_refs[0]
+def _down_kernel(slot_ref, rows_ref, rw_ref, a_ref, *refs, fmt: str, bm: int, kt: KernelTiles, nb: int, nt: int,
+                 group: int, mx_mode: str, mx_rows: int, tail_heights: tuple[int, ...]):
+    w_refs, o_ref = refs[:-1], refs[-1]
     b, j, ks = _block_and_tile(nb, nt, group, kt.split)
     slot = slot_ref[b]
 
@@ -369,11 +307,7 @@ def _down_kernel(slot_ref, rows_ref, rw_ref, *refs, fmt: str, bm: int, kt: Kerne
             return _mac(acc, a_ref, pl.ds(row0, m), k0, w_refs, slot, n0, fmt=fmt, bn=kt.bn, bk=kt.bk,
                         mx_mode=mx_mode, mx_rows=mx_rows)
 
-        zeros = jnp.zeros((m, kt.bn), jnp.float32)
-        acc = jax.lax.fori_loop(*_k_steps(a_refs[0].shape[1], kt, ks), step,
-                                (zeros, zeros) if split_fields else zeros)
-        if split_fields:
-            acc = acc[0] + acc[1] * (1.0 / act16_scale)
+        acc = jax.lax.fori_loop(*_k_steps(a_ref.shape[1], kt, ks), step, jnp.zeros((m, kt.bn), jnp.float32))
         # The combine weight (routing weight * routed_scaling; 1 for the shared slot) is applied here, in fp32.
         y = acc * rw_ref[pl.ds(row0, m)][:, None]
         if kt.split == 1:
@@ -385,11 +319,9 @@ def _down_kernel(slot_ref, rows_ref, rw_ref, *refs, fmt: str, bm: int, kt: Kerne
 
 
 def _mode(tiles: MoeTiles, interpret: bool) -> str:
-    """The MX mode a kernel runs: inline PTX cannot run in the interpreter, where "expand_asm" and "split_asm"
-    compute the same values the plain "expand" / "split" way."""
-    if interpret:
-        return {"expand_asm": "expand", "split_asm": "split"}.get(tiles.mx_mode, tiles.mx_mode)
-    return tiles.mx_mode
+    """The MX mode a kernel runs: inline PTX cannot run in the interpreter, where "expand_asm" computes the same
+    values the plain "expand" way."""
+    return "expand" if interpret and tiles.mx_mode == "expand_asm" else tiles.mx_mode
 
 
 def _check_offsets(*arrays: jax.Array) -> None:
@@ -409,8 +341,7 @@ def _check_tiles(bm: int, kt: KernelTiles, k: int, n: int, fmt: str) -> None:
 def gate_up(h_TD: jax.Array, row_token_M: jax.Array, slot_B: jax.Array, rows_B: jax.Array, experts: dict,
             tiles: MoeTiles, *, alpha: float, limit: float, interpret: bool = False) -> jax.Array:
     """act [M, F] = SwiGLU-OAI(x @ gate[slot], x @ up[slot]) per row block, x = h[row_token] (gathered in the
-    kernel). Padding rows are garbage where tiles.tail_heights leave them unwritten. In the split modes (act,
-    act16): act's f16 copy for down, mx.swiglu_f16_scale times larger."""
+    kernel). Padding rows are garbage where tiles.tail_heights leave them unwritten."""
     fmt = layout.weight_format(experts)
     g_arrays, u_arrays = layout.weight_arrays(experts, "gate"), layout.weight_arrays(experts, "up")
     M, D = row_token_M.shape[0], h_TD.shape[1]
@@ -419,20 +350,12 @@ def gate_up(h_TD: jax.Array, row_token_M: jax.Array, slot_B: jax.Array, rows_B: 
     _check_tiles(tiles.bm, kt, D, F, fmt)
     _check_offsets(h_TD, *g_arrays, *u_arrays)
     nt = F // kt.bn
-    split_fields = tiles.mx_mode in SPLIT_MODES
-    act16_scale = mx.swiglu_f16_scale(alpha, limit) if split_fields else None
     kernel = functools.partial(_gate_up_kernel, n_w=len(g_arrays), fmt=fmt, bm=tiles.bm, kt=kt, nb=nb, nt=nt,
                                group=min(tiles.group, nb), mx_mode=_mode(tiles, interpret),
                                mx_rows=tiles.mx_rows, tail_heights=tiles.tail_heights, alpha=alpha, limit=limit,
-                               act16_scale=act16_scale, interpret=interpret)
-    if split_fields and h_TD.dtype != jnp.bfloat16:
-        raise ValueError(f"mx_mode {tiles.mx_mode!r} needs bf16 activations (exact in f16), got {h_TD.dtype}")
-    x_arrays = (h_TD, *mx.f16_rows(h_TD)) if split_fields else (h_TD,)
-    args = (slot_B, rows_B, row_token_M.astype(jnp.int32), *x_arrays, *g_arrays, *u_arrays)
+                               interpret=interpret)
+    args = (slot_B, rows_B, row_token_M.astype(jnp.int32), h_TD, *g_arrays, *u_arrays)
     out_shape = jax.ShapeDtypeStruct((M, F), h_TD.dtype)
-    if split_fields:
-        assert kt.split == 1, "the split modes run gate_up without split K"
-        out_shape = (out_shape, jax.ShapeDtypeStruct((M, F), jnp.float16))
     extra = {}
     if kt.split > 1:  # fp32 partials of each split, and per output tile the programs done (zeros, aliased)
         args = (*args, jnp.zeros((nb * nt,), jnp.int32))
@@ -448,20 +371,14 @@ def gate_up(h_TD: jax.Array, row_token_M: jax.Array, slot_B: jax.Array, rows_B: 
         name=f"moe_gate_up_{fmt}" + (f"_split{kt.split}" if kt.split > 1 else ""),
         **extra,
     )(*args)
-    return out if kt.split == 1 else out[0]  # (act, act16) in the split modes
+    return out if kt.split == 1 else out[0]
 
 
-def down(act: jax.Array | tuple[jax.Array, jax.Array], slot_B: jax.Array, rows_B: jax.Array,
-         row_weight_M: jax.Array, experts: dict, tiles: MoeTiles, *, alpha: float | None = None,
-         limit: float | None = None, interpret: bool = False) -> jax.Array:
+def down(act_MF: jax.Array, slot_B: jax.Array, rows_B: jax.Array, row_weight_M: jax.Array, experts: dict,
+         tiles: MoeTiles, *, interpret: bool = False) -> jax.Array:
     """y [M, D] = row_weight * (act @ down[slot]) per row block; with a split K (tiles.dn.split > 1) the fp32
-    partials y [split, M, D], whose sum is y. `act`: gate_up's output (in the split modes the pair (act, act16),
-    and alpha / limit give act16's scale)."""
+    partials y [split, M, D], whose sum is y."""
     fmt = layout.weight_format(experts)
-    split_fields = tiles.mx_mode in SPLIT_MODES
-    a_arrays = tuple(act) if split_fields else (act,)
-    act_MF = a_arrays[0]
-    act16_scale = mx.swiglu_f16_scale(alpha, limit) if split_fields else None
     w_arrays = layout.weight_arrays(experts, "down")
     M, F = act_MF.shape
     D = w_arrays[0].shape[-1]
@@ -471,7 +388,7 @@ def down(act: jax.Array | tuple[jax.Array, jax.Array], slot_B: jax.Array, rows_B
     nt = D // kt.bn
     kernel = functools.partial(_down_kernel, fmt=fmt, bm=tiles.bm, kt=kt, nb=nb, nt=nt,
                                group=min(tiles.group, nb), mx_mode=_mode(tiles, interpret),
-                               mx_rows=tiles.mx_rows, tail_heights=tiles.tail_heights, act16_scale=act16_scale)
+                               mx_rows=tiles.mx_rows, tail_heights=tiles.tail_heights)
     shape = (M, D) if kt.split == 1 else (kt.split, M, D)
     return pl.pallas_call(
         kernel,
@@ -480,7 +397,7 @@ def down(act: jax.Array | tuple[jax.Array, jax.Array], slot_B: jax.Array, rows_B
         compiler_params=pltriton.CompilerParams(num_warps=kt.warps, num_stages=kt.stages),
         interpret=interpret,
         name=f"moe_down_{fmt}" + (f"_split{kt.split}" if kt.split > 1 else ""),
-    )(slot_B, rows_B, row_weight_M, *a_arrays, *w_arrays)
+    )(slot_B, rows_B, row_weight_M, act_MF, *w_arrays)
 
 
 def experts_of(p: dict) -> tuple[dict, bool]:
@@ -501,11 +418,8 @@ def kernel_tiles(num_tokens: int, experts: dict, *, tiles: MoeTiles | None = Non
     tiles = tiles or pick_tiles(num_tokens, fmt, interpret=interpret)
     if tiles.backend == "mosaic" and fmt != "dense":
         raise ValueError(f"the Mosaic GPU MoE kernels take bf16 experts, not {fmt}")
-    if tiles.mx_mode in SPLIT_MODES and fmt != "mxfp8":
-        raise ValueError(f"mx_mode {tiles.mx_mode!r} widens MXFP8 bytes, not {fmt} weights")
-    if layout.WIDE_SCALES in experts:  # scales the folded bf16 scale cannot hold (layout.py)
-        tiles = tiles.replace(mx_mode={"expand_asm": "expand", "split_asm": "split"}.get(tiles.mx_mode,
-                                                                                            tiles.mx_mode))
+    if tiles.mx_mode == "expand_asm" and layout.WIDE_SCALES in experts:
+        tiles = tiles.replace(mx_mode="expand")  # scales the folded bf16 scale cannot hold (layout.py)
     if not interpret:  # a dot under 16 rows is below Triton's smallest
         tiles = tiles.replace(tail_heights=tuple(h for h in tiles.tail_heights if h >= 16))
     return fit_tiles(tiles, d_model, d_ff, fmt)
@@ -533,8 +447,7 @@ def routed_experts_pallas(h_TD: jax.Array, idx_TK: jax.Array, w_TK: jax.Array, e
         return combine(y_MD, lay.dest_TJ)
     act_MF = gate_up(h_TD, lay.row_token_M, lay.slot_B, lay.rows_B, experts, tiles, alpha=alpha, limit=limit,
                      interpret=interpret)
-    y_MD = down(act_MF, lay.slot_B, lay.rows_B, lay.row_weight_M, experts, tiles, alpha=alpha, limit=limit,
-                interpret=interpret)
+    y_MD = down(act_MF, lay.slot_B, lay.rows_B, lay.row_weight_M, experts, tiles, interpret=interpret)
     return combine(y_MD, lay.dest_TJ)
 
 

@@ -155,16 +155,6 @@ E4M3_BF16_SHIFT, E4M3_BF16_MASK = 4, 0x87F087F0
 # The bf16 is then exactly 2^-126 times the E2M1 value (exponent field e, top mantissa bit m; e = 0 is the
 # subnormal 0.5 m). The block scale carries the 2^126: 2^(s - 1), bf16 bits (s + 126) << 7.
 E2M1_BF16_SIGN_MASK, E2M1_BF16_MAG_MASK = 0x80008000, 0x01C001C0
-# The "split" modes' second widening (kernel._mac_split): the high bytes of the two words of a register into one
-# 16-bit half (PRMT), then the conversion unit's e4m3x2 -> f16x2, exact (e4m3 is a subset of f16). Unscaled: the
-# block scale multiplies the f16 dot's fp32 result.
-F16_WIDENING_PTX = """{
-.reg .b32 a;
-.reg .b16 lo, hi;
-prmt.b32 a, $1, 0, 0x31;
-mov.b32 {lo, hi}, a;
-cvt.rn.f16x2.e4m3x2 $0, lo;
-}"""
 # Per format: the bias folded into the scale's bf16 exponent, and the largest E8M0 scale that stays finite.
 ASM_BF16_BIAS = {"mxfp8": 120, "mxfp4": 126}
 ASM_BF16_MAX_SCALE = {fmt: 254 - bias for fmt, bias in ASM_BF16_BIAS.items()}

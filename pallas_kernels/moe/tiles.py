@@ -36,7 +36,9 @@ Keys of `MoeTiles` (per kernel: `gu` = gate+up GEMM with the SwiGLU-OAI epilogue
           loop instructions offline, yet 1.25-2.56x over 7 tile sets against expand_asm's 1.20-1.67x at T = 1..128
           in the same run; benchmarks/results/moe-h200-f16.json, commit 873ba16), and "fp8_mma" (fp8 x fp8 dots
           on the unwidened bytes, activations split into two exact e4m3 terms: 2.6-3.1x slower at T = 1..128,
-          moe-h200-fp8mma-1.json, commit b020d3c).
+          moe-h200-fp8mma-1.json, commit b020d3c), and "split_asm" (byte 0 of each word widened by integer
+          bit moves, byte 1 by the conversion unit to f16: 1.03-1.15x slower at T = 1..128, moe-h200-split-1.json,
+          commit 2eb6709).
           Override: M3JAX_MOE_MX_MODE.
   mx_rows K rows of MX words widened per dot: 32 (one scale block) or 64 (MXFP8 only: two blocks, the scale
           chosen per row), fewer and larger dots.

@@ -19,6 +19,8 @@ Keys of `MoeTiles` (per kernel: `gu` = gate+up GEMM with the SwiGLU-OAI epilogue
   bk      K per pipelined step (MX formats need a multiple of 128, their pair-packing group; moe/layout.py).
   warps / stages   Triton's num_warps / num_stages.
   split   programs per output tile, each over 1/split of K (kernel.py; single-token MXFP8 down uses 2).
+  programs  stream K: this many programs over the flattened (output tile, K step) space, equal runs each
+          (kernel.py); for one token, whose few output tiles divide unevenly over the SMs.
   group   row blocks that run N-tile by N-tile together before the next group (L2 reuse, see above).
   tail_heights  shorter row heights for a slot's last block, ascending powers of two under bm: a block holding at
           most h pairs computes h rows (the smallest such h), skipping the padding's MMA work and x reads for the
@@ -60,6 +62,13 @@ class KernelTiles:
     warps: int
     stages: int
     split: int = 1  # programs per output tile, each over 1/split of K (more programs when there are few tiles)
+    # Stream K (> 0): launch this many programs, each taking an equal run of the flattened (output tile, K step)
+    # space, so every SM gets the same work however the tiles divide; a tile's shares meet as fp32 partials that
+    # its last program sums (kernel.py). 0: one program per output tile and split.
+    programs: int = 0
+
+    def __post_init__(self) -> None:
+        assert not (self.programs and self.split > 1), "stream K and split K are two ways to share a tile's K"
 
 
 @dataclasses.dataclass(frozen=True)

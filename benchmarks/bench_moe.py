@@ -63,13 +63,6 @@ def candidates(T: int, fmt: str) -> list[MoeTiles]:
         out += [base.replace(gu=deeper(s, base.gu), dn=deeper(s, base.dn)) for s in (4, 5, 6)]
         out.append(base.replace(gu=deeper(5, base.gu), dn=dataclasses.replace(base.dn, stages=5, split=1)))
     if T == 1:
-        # Stream K, first (--sweep-first 6): the 240 gate_up / 480 split-down programs spread unevenly over 132
-        # SMs (108 run two gate_up programs, 24 one); equal runs of the (tile, K step) space for 2-4 programs per SM.
-        def stream(t: KernelTiles, n: int) -> KernelTiles:
-            return dataclasses.replace(t, split=1, programs=n)
-
-        out += [base.replace(gu=stream(base.gu, g), dn=base.dn if d is None else stream(base.dn, d))
-                for g, d in ((264, None), (264, 264), (396, 396), (528, 528), (264, 528), (396, 264))]
         # Split K: one token's 5 slots make few output tiles (240 programs for 132 SMs at the table's tiles).
         # (Twice-wide MX tiles with K split in two, so that x serves twice the widened weights per warp, were
         # slower: gate_up 77 against 54 us, moe-h200-t1-wide.json.)
@@ -335,8 +328,7 @@ def main() -> None:
         save()
         err = rec.get("error", "")[:200]
         def kt(t: KernelTiles) -> str:
-            return (f"{t.bn}/{t.bk}/{t.warps}/{t.stages}" + (f"/s{t.split}" if t.split > 1 else "")
-                    + (f"/p{t.programs}" if t.programs else ""))
+            return f"{t.bn}/{t.bk}/{t.warps}/{t.stages}" + (f"/s{t.split}" if t.split > 1 else "")
 
         log(f"{op:12s} T={T:5d} {fmt:6s} bm={tiles.bm:3d}{_tails(tiles)} gu={kt(tiles.gu)} "
             f"dn={kt(tiles.dn)} g={tiles.group} "

@@ -150,6 +150,19 @@ def _block_rows(slot_B: jax.Array, sizes_S: jax.Array, bstart_S: jax.Array, bm: 
 # ---- in-kernel pieces ------------------------------------------------------------------------------------
 
 
+def _block_and_tile(nb: int, nt: int, group: int, split: int = 1) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Program id -> (row block, N tile, K split): the `split` programs of one output tile next to each other
+    (so they run together), output tiles in `tiles.block_and_tile`'s order."""
+    b, j = block_and_tile(pl.program_id(0) // split, nb, nt, group)
+    return b, j, pl.program_id(0) % split
+
+
+def _k_steps(k: int, kt: KernelTiles, s: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The K steps [lo, hi) that split s of kt.split accumulates."""
+    per = k // kt.bk // kt.split
+    return s * per, (s + 1) * per
+
+
 def _dot(x: jax.Array, w: jax.Array) -> jax.Array:
     return jnp.dot(x, w, preferred_element_type=jnp.float32)
 
@@ -220,154 +233,89 @@ def _for_used_block(slot: jax.Array, rows_ref, b: jax.Array, bm: int, heights: t
         lo = h
 
 
-def _stream_shares(n_tiles: int, steps: int, programs: int) -> tuple[int, int]:
-    """Stream K over `n_tiles` output tiles of `steps` K steps each: program p takes the flattened units
-    [p * U // P, (p + 1) * U // P), U = n_tiles * steps. Static bounds: (most tiles one program touches, most
-    programs sharing one tile)."""
-    total = n_tiles * steps
-    lo = [p * total // programs for p in range(programs + 1)]
-    per_program = max(-(-lo[p + 1] // steps) - lo[p] // steps for p in range(programs) if lo[p + 1] > lo[p])
-    per_tile = max(_first_program((t + 1) * steps - 1, total, programs) - _first_program(t * steps, total, programs)
-                   + 1 for t in range(n_tiles))
-    return per_program, per_tile
-
-
-def _first_program(unit, total: int, programs: int):
-    """The program whose run holds flattened unit `unit` (the largest p with p * total // programs <= unit)."""
-    return ((unit + 1) * programs - 1) // total
-
-
-def _for_stream_shares(n_tiles: int, steps: int, programs: int, body) -> None:
-    """body(tile, (k_lo, k_hi), share, shares) for each tile this program's run touches: its K steps
-    [k_lo, k_hi) of the tile, which of the tile's `shares` programs it is (in K order)."""
-    total = n_tiles * steps
-    p = pl.program_id(0)
-    lo, hi = p * total // programs, (p + 1) * total // programs
-    for i in range(_stream_shares(n_tiles, steps, programs)[0]):
-        t = lo // steps + i
-        k_lo, k_hi = jnp.maximum(lo - t * steps, 0), jnp.minimum(hi - t * steps, steps)
-        first = _first_program(t * steps, total, programs)
-        shares = _first_program(t * steps + steps - 1, total, programs) - first + 1
-        pl.when((t < n_tiles) & (k_hi > k_lo))(functools.partial(body, t, (k_lo, k_hi), p - first, shares))
-
-
-def _tile_programs(nb: int, nt: int, group: int, kt: KernelTiles, k: int, tile_body) -> None:
-    """Run tile_body(b, j, k_steps, share) for the output tiles (row block b, N tile j) this program works on:
-    one (split == 1), one K split of one (split > 1: share = the split), or under stream K the shares of one or
-    two tiles (share = (which, of how many)). Tiles run in `tiles.block_and_tile`'s order."""
-    steps = k // kt.bk
-    if kt.programs:
-        def share(t, k_steps, which, shares):
-            b, j = block_and_tile(t, nb, nt, group)
-            tile_body(b, j, k_steps, (which, shares))
-
-        _for_stream_shares(nb * nt, steps, kt.programs, share)
-        return
-    b, j = block_and_tile(pl.program_id(0) // kt.split, nb, nt, group)
-    s = pl.program_id(0) % kt.split  # the split programs of one tile sit next to each other (run together)
-    per = steps // kt.split
-    tile_body(b, j, (s * per, (s + 1) * per), s)
-
-
 def _gate_up_kernel(slot_ref, rows_ref, token_ref, x_ref, *refs, n_w: int, fmt: str, bm: int, kt: KernelTiles,
                     nb: int, nt: int, group: int, mx_mode: str, mx_rows: int, tail_heights: tuple[int, ...],
                     alpha: float, limit: float, interpret: bool):
     g_refs, u_refs = refs[:n_w], refs[n_w:2 * n_w]
-    shared_k = kt.split > 1 or kt.programs
-    o_ref = refs[-3] if shared_k else refs[-1]  # (split / stream K: count in, act, partials, count out)
+    o_ref = refs[-1] if kt.split == 1 else refs[-3]  # (split-K: count in, act, partials, count out)
+    b, j, ks = _block_and_tile(nb, nt, group, kt.split)
+    slot = slot_ref[b]
 
-    def tile(b, j, k_steps, share) -> None:
-        slot = slot_ref[b]
+    def block(m: int) -> None:
+        row0 = pl.multiple_of(b * bm, bm)
+        n0 = pl.multiple_of(j * kt.bn, kt.bn)
+        # The block's rows are tokens' hidden states, gathered by each x load (no [M, D] copy of x in HBM).
+        tok_B = token_ref[pl.ds(row0, m)]
+        mac = functools.partial(_mac, x_ref=x_ref, rows=tok_B, slot=slot, col0=n0, fmt=fmt, bn=kt.bn, bk=kt.bk,
+                                mx_mode=mx_mode, mx_rows=mx_rows)
 
-        def block(m: int) -> None:
-            row0 = pl.multiple_of(b * bm, bm)
-            n0 = pl.multiple_of(j * kt.bn, kt.bn)
-            # The block's rows are tokens' hidden states, gathered by each x load (no [M, D] copy of x in HBM).
-            tok_B = token_ref[pl.ds(row0, m)]
-            mac = functools.partial(_mac, x_ref=x_ref, rows=tok_B, slot=slot, col0=n0, fmt=fmt, bn=kt.bn,
-                                    bk=kt.bk, mx_mode=mx_mode, mx_rows=mx_rows)
+        def step(i, accs):
+            k0 = pl.multiple_of(i * kt.bk, kt.bk)
+            return mac(accs[0], k0=k0, w_refs=g_refs), mac(accs[1], k0=k0, w_refs=u_refs)
 
-            def step(i, accs):
-                k0 = pl.multiple_of(i * kt.bk, kt.bk)
-                return mac(accs[0], k0=k0, w_refs=g_refs), mac(accs[1], k0=k0, w_refs=u_refs)
+        zeros = jnp.zeros((m, kt.bn), jnp.float32)
+        gate, up = jax.lax.fori_loop(*_k_steps(x_ref.shape[1], kt, ks), step, (zeros, zeros))
+        rows, cols = pl.ds(row0, m), pl.ds(n0, kt.bn)
 
-            zeros = jnp.zeros((m, kt.bn), jnp.float32)
-            gate, up = jax.lax.fori_loop(*k_steps, step, (zeros, zeros))
-            rows, cols = pl.ds(row0, m), pl.ds(n0, kt.bn)
+        def epilogue(gate: jax.Array, up: jax.Array) -> None:
+            # SwiGLU-OAI (the reference's own function) on the fp32 accumulators, before the one rounding to bf16.
+            o_ref[rows, cols] = swiglu_oai(gate, up, alpha=alpha, limit=limit).astype(o_ref.dtype)
 
-            def epilogue(gate: jax.Array, up: jax.Array) -> None:
-                # SwiGLU-OAI (the reference's own function) on the fp32 accumulators, before the one rounding.
-                o_ref[rows, cols] = swiglu_oai(gate, up, alpha=alpha, limit=limit).astype(o_ref.dtype)
+        if kt.split == 1:
+            epilogue(gate, up)
+        else:
+            _last_split_sums(refs[-2], refs[-1], gate, up, b * nt + j, ks, rows, cols, epilogue, split=kt.split,
+                             interpret=interpret)
 
-            if not shared_k:
-                epilogue(gate, up)
-                return
-            F = refs[-2].shape[2] // 2
-            _last_share_sums(refs[-2], refs[-1], (gate, up), (cols, pl.ds(n0 + F, kt.bn)), b * nt + j, share,
-                             kt.split, rows, epilogue, interpret=interpret)
-
-        _for_used_block(slot, rows_ref, b, bm, tail_heights, block)
-
-    _tile_programs(nb, nt, group, kt, x_ref.shape[1], tile)
+    _for_used_block(slot, rows_ref, b, bm, tail_heights, block)
 
 
-def _last_share_sums(part_ref, count_ref, values: tuple, cols: tuple, tile, share, split: int, rows,
-                     epilogue, *, interpret: bool) -> None:
-    """A tile shared over K (split K: share = the split; stream K: share = (which, of how many)): each share
-    stores its fp32 partials (values[i] at columns cols[i] of its partials plane); the last program to finish
-    (pallas_kernels/sync.py) sums them all in K order, so the result does not depend on which finished last,
-    and runs epilogue(*sums)."""
-    which, shares = share if isinstance(share, tuple) else (share, split)
-    for v, c in zip(values, cols, strict=True):
-        part_ref[which, rows, c] = v
+def _last_split_sums(part_ref, count_ref, gate, up, tile, ks, rows, cols, epilogue, *, split: int,
+                     interpret: bool) -> None:
+    """Split-K gate_up: each of a tile's `split` programs stores its fp32 partials; the last to finish
+    (pallas_kernels/sync.py) sums them all in split order, so the result does not depend on which finished
+    last, and runs the epilogue."""
+    F = part_ref.shape[2] // 2
+    up_cols = pl.ds(cols.start + F, cols.size)
+    part_ref[ks, rows, cols] = gate
+    part_ref[ks, rows, up_cols] = up
 
     def sum_and_finish() -> None:
-        def add(i, sums):
-            return tuple(acc + pltriton.load(part_ref.at[pl.ds(i, 1), rows, c], volatile=True)[0]
-                         for acc, c in zip(sums, cols, strict=True))
+        def part(i: int, c: pl.Slice) -> jax.Array:
+            return pltriton.load(part_ref.at[pl.ds(i, 1), rows, c], volatile=True)[0]
 
-        epilogue(*jax.lax.fori_loop(0, shares, add, tuple(jnp.zeros_like(v) for v in values)))
+        g, u = part(0, cols), part(0, up_cols)
+        for i in range(1, split):
+            g, u = g + part(i, cols), u + part(i, up_cols)
+        epilogue(g, u)
 
-    when_last(count_ref, tile, shares, sum_and_finish, interpret=interpret)
+    when_last(count_ref, tile, split, sum_and_finish, interpret=interpret)
 
 
 def _down_kernel(slot_ref, rows_ref, rw_ref, a_ref, *refs, fmt: str, bm: int, kt: KernelTiles, nb: int, nt: int,
-                 group: int, mx_mode: str, mx_rows: int, tail_heights: tuple[int, ...], interpret: bool):
-    # refs: the weight arrays, then the output (split: fp32 partials [split, M, D] that the combine sums; stream
-    # K: count in, y [M, D] fp32, partials, count out).
-    w_refs = refs[:-4] if kt.programs else refs[:-1]
-    o_ref = refs[-3] if kt.programs else refs[-1]
+                 group: int, mx_mode: str, mx_rows: int, tail_heights: tuple[int, ...]):
+    w_refs, o_ref = refs[:-1], refs[-1]
+    b, j, ks = _block_and_tile(nb, nt, group, kt.split)
+    slot = slot_ref[b]
 
-    def tile(b, j, k_steps, share) -> None:
-        slot = slot_ref[b]
+    def block(m: int) -> None:
+        row0 = pl.multiple_of(b * bm, bm)
+        n0 = pl.multiple_of(j * kt.bn, kt.bn)
 
-        def block(m: int) -> None:
-            row0 = pl.multiple_of(b * bm, bm)
-            n0 = pl.multiple_of(j * kt.bn, kt.bn)
+        def step(i, acc):
+            k0 = pl.multiple_of(i * kt.bk, kt.bk)
+            return _mac(acc, a_ref, pl.ds(row0, m), k0, w_refs, slot, n0, fmt=fmt, bn=kt.bn, bk=kt.bk,
+                        mx_mode=mx_mode, mx_rows=mx_rows)
 
-            def step(i, acc):
-                k0 = pl.multiple_of(i * kt.bk, kt.bk)
-                return _mac(acc, a_ref, pl.ds(row0, m), k0, w_refs, slot, n0, fmt=fmt, bn=kt.bn, bk=kt.bk,
-                            mx_mode=mx_mode, mx_rows=mx_rows)
+        acc = jax.lax.fori_loop(*_k_steps(a_ref.shape[1], kt, ks), step, jnp.zeros((m, kt.bn), jnp.float32))
+        # The combine weight (routing weight * routed_scaling; 1 for the shared slot) is applied here, in fp32.
+        y = acc * rw_ref[pl.ds(row0, m)][:, None]
+        if kt.split == 1:
+            o_ref[pl.ds(row0, m), pl.ds(n0, kt.bn)] = y.astype(o_ref.dtype)
+        else:  # fp32 partials [split, M, D], summed by the combine
+            o_ref[ks, pl.ds(row0, m), pl.ds(n0, kt.bn)] = y
 
-            acc = jax.lax.fori_loop(*k_steps, step, jnp.zeros((m, kt.bn), jnp.float32))
-            rows, cols = pl.ds(row0, m), pl.ds(n0, kt.bn)
-
-            def epilogue(acc: jax.Array) -> None:
-                # The combine weight (routing weight * routed_scaling; 1 for the shared slot), applied in fp32.
-                o_ref[rows, cols] = (acc * rw_ref[pl.ds(row0, m)][:, None]).astype(o_ref.dtype)
-
-            if kt.programs:
-                _last_share_sums(refs[-2], refs[-1], (acc,), (cols,), b * nt + j, share, 1, rows, epilogue,
-                                 interpret=interpret)
-            elif kt.split == 1:
-                epilogue(acc)
-            else:  # fp32 partials [split, M, D], summed by the combine
-                o_ref[share, rows, cols] = acc * rw_ref[pl.ds(row0, m)][:, None]
-
-        _for_used_block(slot, rows_ref, b, bm, tail_heights, block)
-
-    _tile_programs(nb, nt, group, kt, a_ref.shape[1], tile)
+    _for_used_block(slot, rows_ref, b, bm, tail_heights, block)
 
 
 def _mode(tiles: MoeTiles, interpret: bool) -> str:
@@ -407,45 +355,23 @@ def gate_up(h_TD: jax.Array, row_token_M: jax.Array, slot_B: jax.Array, rows_B: 
                                mx_rows=tiles.mx_rows, tail_heights=tiles.tail_heights, alpha=alpha, limit=limit,
                                interpret=interpret)
     args = (slot_B, rows_B, row_token_M.astype(jnp.int32), h_TD, *g_arrays, *u_arrays)
+    out_shape = jax.ShapeDtypeStruct((M, F), h_TD.dtype)
+    extra = {}
+    if kt.split > 1:  # fp32 partials of each split, and per output tile the programs done (zeros, aliased)
+        args = (*args, jnp.zeros((nb * nt,), jnp.int32))
+        out_shape = (out_shape, jax.ShapeDtypeStruct((kt.split, M, 2 * F), jnp.float32),
+                     jax.ShapeDtypeStruct((nb * nt,), jnp.int32))
+        extra = {"input_output_aliases": {len(args) - 1: 2}}
     out = pl.pallas_call(
         kernel,
-        grid=(_programs(kt, nb * nt),),
+        out_shape=out_shape,
+        grid=(nb * nt * kt.split,),
         compiler_params=pltriton.CompilerParams(num_warps=kt.warps, num_stages=kt.stages),
         interpret=interpret,
-        name=f"moe_gate_up_{fmt}" + _kind(kt),
-        **_shared_k_outputs(kt, args, jax.ShapeDtypeStruct((M, F), h_TD.dtype), nb * nt, D, 2 * F),
-    )(*args, *_shared_k_inputs(kt, nb * nt))
-    return out[0] if _shared_k_inputs(kt, nb * nt) else out
-
-
-def _programs(kt: KernelTiles, n_tiles: int) -> int:
-    return kt.programs or n_tiles * kt.split
-
-
-def _shares(kt: KernelTiles, n_tiles: int, k: int) -> int:
-    """Most programs that share one output tile's K."""
-    return _stream_shares(n_tiles, k // kt.bk, kt.programs)[1] if kt.programs else kt.split
-
-
-def _kind(kt: KernelTiles) -> str:
-    return f"_stream{kt.programs}" if kt.programs else f"_split{kt.split}" if kt.split > 1 else ""
-
-
-def _shared_k_inputs(kt: KernelTiles, n_tiles: int) -> tuple[jax.Array, ...]:
-    """Per output tile the programs done, zeros at every call (aliased to an output), where a tile's programs
-    hand off to its last one."""
-    return (jnp.zeros((n_tiles,), jnp.int32),) if kt.programs or kt.split > 1 else ()
-
-
-def _shared_k_outputs(kt: KernelTiles, args: tuple, out: jax.ShapeDtypeStruct, n_tiles: int, k: int,
-                      part_cols: int) -> dict:
-    """pallas_call's out_shape (and aliases): `out`, then for a hand-off the fp32 partials [shares, M,
-    part_cols] and the counters."""
-    if not _shared_k_inputs(kt, n_tiles):
-        return {"out_shape": out}
-    parts = jax.ShapeDtypeStruct((_shares(kt, n_tiles, k), out.shape[0], part_cols), jnp.float32)
-    return {"out_shape": (out, parts, jax.ShapeDtypeStruct((n_tiles,), jnp.int32)),
-            "input_output_aliases": {len(args): 2}}
+        name=f"moe_gate_up_{fmt}" + (f"_split{kt.split}" if kt.split > 1 else ""),
+        **extra,
+    )(*args)
+    return out if kt.split == 1 else out[0]
 
 
 def down(act_MF: jax.Array, slot_B: jax.Array, rows_B: jax.Array, row_weight_M: jax.Array, experts: dict,
@@ -462,22 +388,16 @@ def down(act_MF: jax.Array, slot_B: jax.Array, rows_B: jax.Array, row_weight_M: 
     nt = D // kt.bn
     kernel = functools.partial(_down_kernel, fmt=fmt, bm=tiles.bm, kt=kt, nb=nb, nt=nt,
                                group=min(tiles.group, nb), mx_mode=_mode(tiles, interpret),
-                               mx_rows=tiles.mx_rows, tail_heights=tiles.tail_heights, interpret=interpret)
-    args = (slot_B, rows_B, row_weight_M, act_MF, *w_arrays)
-    if kt.programs:  # y in fp32, written by each tile's last program from the shares' partials
-        outputs = _shared_k_outputs(kt, args, jax.ShapeDtypeStruct((M, D), jnp.float32), nb * nt, F, D)
-    else:  # split K: the splits' fp32 partials, summed by the combine
-        shape = (M, D) if kt.split == 1 else (kt.split, M, D)
-        outputs = {"out_shape": jax.ShapeDtypeStruct(shape, act_MF.dtype if kt.split == 1 else jnp.float32)}
-    out = pl.pallas_call(
+                               mx_rows=tiles.mx_rows, tail_heights=tiles.tail_heights)
+    shape = (M, D) if kt.split == 1 else (kt.split, M, D)
+    return pl.pallas_call(
         kernel,
-        grid=(_programs(kt, nb * nt),),
+        out_shape=jax.ShapeDtypeStruct(shape, act_MF.dtype if kt.split == 1 else jnp.float32),
+        grid=(nb * nt * kt.split,),
         compiler_params=pltriton.CompilerParams(num_warps=kt.warps, num_stages=kt.stages),
         interpret=interpret,
-        name=f"moe_down_{fmt}" + _kind(kt),
-        **outputs,
-    )(*args, *(_shared_k_inputs(kt, nb * nt) if kt.programs else ()))
-    return out[0] if kt.programs else out
+        name=f"moe_down_{fmt}" + (f"_split{kt.split}" if kt.split > 1 else ""),
+    )(slot_B, rows_B, row_weight_M, act_MF, *w_arrays)
 
 
 def experts_of(p: dict) -> tuple[dict, bool]:

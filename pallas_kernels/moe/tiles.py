@@ -19,8 +19,6 @@ Keys of `MoeTiles` (per kernel: `gu` = gate+up GEMM with the SwiGLU-OAI epilogue
   bk      K per pipelined step (MX formats need a multiple of 128, their pair-packing group; moe/layout.py).
   warps / stages   Triton's num_warps / num_stages.
   split   programs per output tile, each over 1/split of K (kernel.py; single-token MXFP8 down uses 2).
-  programs  stream K: this many programs over the flattened (output tile, K step) space, equal runs each
-          (kernel.py); for one token, whose few output tiles divide unevenly over the SMs.
   group   row blocks that run N-tile by N-tile together before the next group (L2 reuse, see above).
   tail_heights  shorter row heights for a slot's last block, ascending powers of two under bm: a block holding at
           most h pairs computes h rows (the smallest such h), skipping the padding's MMA work and x reads for the
@@ -62,13 +60,6 @@ class KernelTiles:
     warps: int
     stages: int
     split: int = 1  # programs per output tile, each over 1/split of K (more programs when there are few tiles)
-    # Stream K (> 0): launch this many programs, each taking an equal run of the flattened (output tile, K step)
-    # space, so every SM gets the same work however the tiles divide; a tile's shares meet as fp32 partials that
-    # its last program sums (kernel.py). 0: one program per output tile and split.
-    programs: int = 0
-
-    def __post_init__(self) -> None:
-        assert not (self.programs and self.split > 1), "stream K and split K are two ways to share a tile's K"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,7 +153,10 @@ for _reg in ("decode", "mid", "prefill"):
 # One token: its 5 slots give each GEMM only 240 programs for 132 SMs. Splitting down's K in two (fp32 partials,
 # summed by the combine) lifts MXFP8 to 0.095 ms = 1.40x the floor against 0.104-0.107 ms (1.53-1.57x) unsplit;
 # splitting gate_up as well (its last program per tile sums the partials), 3 or 4 ways, or bf16 at all, measured
-# slower (H200, same run, benchmarks/results/moe-h200-splitk.json).
+# slower (H200, same run, benchmarks/results/moe-h200-splitk.json). Stream K (equal runs of the flattened (tile,
+# K step) space over 240-720 programs, shares summed by each tile's last program; commit 5b645b0) was slower too:
+# gate_up 59.3-59.9 against 54.6 us, down 33.2-34.9 against 31.0 us, with an even spread no faster than the uneven
+# one (moe-h200-streamk-2.json, docs/benchmarks.md).
 SINGLE_TOKEN_DOWN_SPLIT = {"mxfp8": 2}
 
 # Interpret mode (CPU tests) runs every program as a loop iteration: tiny tiles keep the test shapes

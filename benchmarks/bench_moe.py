@@ -385,10 +385,10 @@ def main() -> None:
 
     # The two kernels alone (layout precomputed): what the glue (sort and combine) adds at decode sizes.
     @functools.partial(jax.jit, static_argnames=("tiles",))
-    def run_kernels_only(h_TD, row_token_M, slot_B, rows_B, row_weight_M, experts, tiles):
+    def run_kernels_only(h_TD, row_token_M, slot_B, rows_B, experts, tiles):
         act = kernel.gate_up(h_TD, row_token_M, slot_B, rows_B, experts, tiles, alpha=ALPHA, limit=LIMIT,
                              interpret=args.interpret)
-        return kernel.down(act, slot_B, rows_B, row_weight_M, experts, tiles, interpret=args.interpret)
+        return kernel.down(act, slot_B, rows_B, experts, tiles, interpret=args.interpret)
 
     for T in [t for t in args.tokens if t in args.kernels_only_tokens]:
         for name in [f for f in args.formats if f not in args.skip_main]:
@@ -404,7 +404,7 @@ def main() -> None:
                 lay_inputs = []
                 for h, idx, wts in inputs[T]:
                     lay = sp(idx, wts)
-                    lay_inputs.append((h, lay.row_token_M, lay.slot_B, lay.rows_B, lay.row_weight_M))
+                    lay_inputs.append((h, lay.row_token_M, lay.slot_B, lay.rows_B))
                 rec["time_s"] = bench(functools.partial(run_kernels_only, experts=experts_by_fmt[name], tiles=tiles),
                                       lay_inputs)
                 rec["floor_s"] = floor(T, name)
@@ -425,8 +425,8 @@ def main() -> None:
         x_MD = h[lay.row_token_M]
         act = kernel.gate_up(x_MD, jnp.arange(x_MD.shape[0], dtype=jnp.int32), lay.slot_B, lay.rows_B, experts,
                              tiles, alpha=ALPHA, limit=LIMIT, interpret=args.interpret)
-        y = kernel.down(act, lay.slot_B, lay.rows_B, lay.row_weight_M, experts, tiles, interpret=args.interpret)
-        return kernel.combine(y, lay.dest_TJ)
+        y = kernel.down(act, lay.slot_B, lay.rows_B, experts, tiles, interpret=args.interpret)
+        return kernel.combine(y, lay.dest_TJ, lay.w_TJ)
 
     for T in [t for t in args.tokens if t in args.gather_ab_tokens]:
         for name in [f for f in args.formats if f not in args.skip_main]:

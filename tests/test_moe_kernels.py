@@ -145,20 +145,17 @@ def test_sort_and_pad_invariants(bias: np.ndarray | None, T: int) -> None:
     lay = kernel.sort_and_pad(idx, w, num_slots=S, shared_slot=True, bm=bm, routed_scaling=2.0)
     assert (T * (TOP_K + 1) <= kernel.COMPARE_LAYOUT_MAX_PAIRS) == (T < 400)  # both methods covered
     slot_B, dest = np.asarray(lay.slot_B), np.asarray(lay.dest_TJ)
-    row_token, row_weight = np.asarray(lay.row_token_M), np.asarray(lay.row_weight_M)
+    row_token = np.asarray(lay.row_token_M)
     assert slot_B.shape[0] == kernel.max_row_blocks(T * (TOP_K + 1), S, bm)
     e_TJ = np.concatenate([np.asarray(idx), np.full((T, 1), E)], axis=1)
     assert len(np.unique(dest)) == dest.size  # every (token, choice) owns one row
-    # A row lies in a block of its own slot, holds its token, and carries its combine weight.
+    # A row lies in a block of its own slot and holds its token; each choice carries its combine weight.
     np.testing.assert_array_equal(slot_B[dest // bm], e_TJ)
     np.testing.assert_array_equal(row_token[dest], np.repeat(np.arange(T)[:, None], TOP_K + 1, axis=1))
     w_TJ = np.concatenate([np.asarray(w) * 2.0, np.ones((T, 1))], axis=1)
-    np.testing.assert_allclose(row_weight[dest], w_TJ, rtol=1e-6)
-    # Padding rows weigh nothing; used blocks come first, one slot each, in slot order (one token: its distinct
-    # slots in choice order); every used block has a row.
-    pad = np.ones(row_weight.shape, bool)
-    pad[dest.ravel()] = False
-    assert not np.any(row_weight[pad])
+    np.testing.assert_allclose(np.asarray(lay.w_TJ), w_TJ, rtol=1e-6)
+    # Used blocks come first, one slot each, in slot order (one token: its distinct slots in choice order);
+    # every used block has a row.
     used = slot_B[slot_B >= 0]
     assert np.all(slot_B[: used.size] >= 0)
     assert np.all(np.diff(used) >= 0) if T > 1 else len(np.unique(used)) == used.size
@@ -176,7 +173,7 @@ def test_compare_layout_equals_argsort_layout(bias: np.ndarray | None, T: int) -
     kw = {"num_slots": E + 1, "shared_slot": True, "bm": 16, "routed_scaling": 2.0}
     a = kernel.sort_and_pad(idx, w, method="argsort", **kw)
     b = kernel.sort_and_pad(idx, w, method="compare", **kw)
-    for name in ("row_token_M", "row_weight_M", "slot_B", "dest_TJ", "rows_B"):
+    for name in ("row_token_M", "slot_B", "dest_TJ", "w_TJ", "rows_B"):
         np.testing.assert_array_equal(np.asarray(getattr(a, name)), np.asarray(getattr(b, name)), err_msg=name)
 
 

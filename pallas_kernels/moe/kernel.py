@@ -7,8 +7,9 @@ token visits it with weight 1):
   slot's rows padded to the block height bm, so every row block belongs to exactly one slot
   -> gate_up kernel: act_MF = SwiGLU-OAI(x @ W_gate[slot], x @ W_up[slot]), x = h[row_token] gathered by the
                      kernel's own x loads (both accumulators in one program)
-  -> down kernel:    y_MD = row_weight * (act @ W_down[slot])                  (routing weight in the epilogue)
-  -> combine: out[t] = sum of its k+1 rows of y  (one XLA gather-sum, fp32)
+  -> down kernel:    y_MD = act @ W_down[slot]
+  -> combine: out[t] = sum over its k+1 choices j of w[t, j] * y[dest[t, j]]  (one XLA gather-sum, fp32: the
+              routing weights applied here need no per-row weight array in the layout)
 
 Kernel grid: one axis of (row block x N tile) programs. Each program reads its row block's slot from
 `slot_B` (-1 for blocks past the last used one, which return at once), streams that slot's [K, bn] weight
@@ -47,10 +48,10 @@ class RowLayout:
     """The sorted-and-padded rows of one MoE call (M = nb * bm rows, nb row blocks)."""
 
     row_token_M: jax.Array  # token whose hidden state fills each row (0 for padding rows)
-    row_weight_M: jax.Array  # fp32 combine weight of each row: routing weight * routed_scaling, 1 for the
-    #                          shared slot, 0 for padding rows
     slot_B: jax.Array  # expert slot of each row block; -1 past the last used block
     dest_TJ: jax.Array  # the row of each (token, choice); choice k is the shared slot when it is stacked
+    w_TJ: jax.Array  # fp32 combine weight of each (token, choice): routing weight * routed_scaling, 1 for the
+    #                  shared slot
     rows_B: jax.Array  # rows of each block that hold a (token, choice) pair (the rest are padding); 0 if unused
 
 
@@ -85,15 +86,13 @@ def sort_and_pad(idx_TK: jax.Array, w_TK: jax.Array, *, num_slots: int, shared_s
         # so each gets its own row block with the token in the block's first row. No sort and no scatters: at
         # decode sizes the general path's dozen small XLA kernels cost more than the two GEMM kernels' slack
         # (H200, M3 shapes: 0.165 -> 0.149 ms, 1.26x -> 1.13x the weight-streaming floor).
-        m = jnp.arange(J * bm, dtype=jnp.int32)
-        row_weight_M = jnp.where(m % bm == 0, w_TJ.reshape(-1)[m // bm], 0.0)
-        return RowLayout(jnp.zeros(J * bm, jnp.int32), row_weight_M, e_TJ.reshape(-1),
-                         (jnp.arange(J, dtype=jnp.int32) * bm)[None, :], jnp.ones((J,), jnp.int32))
+        return RowLayout(jnp.zeros(J * bm, jnp.int32), e_TJ.reshape(-1),
+                         (jnp.arange(J, dtype=jnp.int32) * bm)[None, :], w_TJ, jnp.ones((J,), jnp.int32))
     flat_e = e_TJ.reshape(-1)
     if method is None:
         method = "compare" if R <= COMPARE_LAYOUT_MAX_PAIRS else "argsort"
     if method == "compare":
-        return _compare_layout(flat_e, w_TJ.reshape(-1), T=T, J=J, num_slots=num_slots, bm=bm)
+        return _compare_layout(flat_e, w_TJ, T=T, J=J, num_slots=num_slots, bm=bm)
     sizes_S = jnp.zeros(num_slots, jnp.int32).at[flat_e].add(1)
     blocks_S = (sizes_S + bm - 1) // bm
     bend_S = jnp.cumsum(blocks_S)
@@ -106,16 +105,15 @@ def sort_and_pad(idx_TK: jax.Array, w_TK: jax.Array, *, num_slots: int, shared_s
     M = nb * bm
     row_token_M = jnp.zeros(M, jnp.int32).at[dest_R].set(jnp.arange(R, dtype=jnp.int32) // J,
                                                            unique_indices=True)
-    row_weight_M = jnp.zeros(M, jnp.float32).at[dest_R].set(w_TJ.reshape(-1), unique_indices=True)
     blocks = jnp.arange(nb, dtype=jnp.int32)
     # compare_all: one vectorised compare instead of a loop (a GPU while loop syncs with the host per step).
     slot_B = jnp.searchsorted(bend_S, blocks, side="right", method="compare_all").astype(jnp.int32)
     slot_B = jnp.where(blocks < bend_S[-1], slot_B, -1)
-    return RowLayout(row_token_M, row_weight_M, slot_B, dest_R.reshape(T, J),
+    return RowLayout(row_token_M, slot_B, dest_R.reshape(T, J), w_TJ,
                      _block_rows(slot_B, sizes_S, bend_S - blocks_S, bm))
 
 
-def _compare_layout(e_R: jax.Array, w_R: jax.Array, *, T: int, J: int, num_slots: int, bm: int) -> RowLayout:
+def _compare_layout(e_R: jax.Array, w_TJ: jax.Array, *, T: int, J: int, num_slots: int, bm: int) -> RowLayout:
     """sort_and_pad's layout without a sort or a scatter: every quantity is a masked sum, so XLA fuses them."""
     R = T * J
     nb = max_row_blocks(R, num_slots, bm)
@@ -131,13 +129,11 @@ def _compare_layout(e_R: jax.Array, w_R: jax.Array, *, T: int, J: int, num_slots
     # Each row takes the one pair that lands on it (none for padding rows): sums with at most one term.
     hit_MR = dest_R[None, :] == jnp.arange(M, dtype=jnp.int32)[:, None]
     row_token_M = jnp.sum(jnp.where(hit_MR, r[None, :] // J, 0), axis=1, dtype=jnp.int32)
-    row_weight_M = jnp.sum(jnp.where(hit_MR, w_R[None, :], 0.0), axis=1)
     bend_S = bstart_S + blocks_S
     blocks = jnp.arange(nb, dtype=jnp.int32)
     slot_B = jnp.sum(bend_S[None, :] <= blocks[:, None], axis=1, dtype=jnp.int32)  # the slot holding block b
     slot_B = jnp.where(blocks < bend_S[-1], slot_B, -1)
-    return RowLayout(row_token_M, row_weight_M, slot_B, dest_R.reshape(T, J),
-                     _block_rows(slot_B, sizes_S, bstart_S, bm))
+    return RowLayout(row_token_M, slot_B, dest_R.reshape(T, J), w_TJ, _block_rows(slot_B, sizes_S, bstart_S, bm))
 
 
 def _block_rows(slot_B: jax.Array, sizes_S: jax.Array, bstart_S: jax.Array, bm: int) -> jax.Array:
@@ -292,7 +288,7 @@ def _last_split_sums(part_ref, count_ref, gate, up, tile, ks, rows, cols, epilog
     when_last(count_ref, tile, split, sum_and_finish, interpret=interpret)
 
 
-def _down_kernel(slot_ref, rows_ref, rw_ref, a_ref, *refs, fmt: str, bm: int, kt: KernelTiles, nb: int, nt: int,
+def _down_kernel(slot_ref, rows_ref, a_ref, *refs, fmt: str, bm: int, kt: KernelTiles, nb: int, nt: int,
                  group: int, mx_mode: str, mx_rows: int, tail_heights: tuple[int, ...]):
     w_refs, o_ref = refs[:-1], refs[-1]
     b, j, ks = _block_and_tile(nb, nt, group, kt.split)
@@ -308,12 +304,10 @@ def _down_kernel(slot_ref, rows_ref, rw_ref, a_ref, *refs, fmt: str, bm: int, kt
                         mx_mode=mx_mode, mx_rows=mx_rows)
 
         acc = jax.lax.fori_loop(*_k_steps(a_ref.shape[1], kt, ks), step, jnp.zeros((m, kt.bn), jnp.float32))
-        # The combine weight (routing weight * routed_scaling; 1 for the shared slot) is applied here, in fp32.
-        y = acc * rw_ref[pl.ds(row0, m)][:, None]
         if kt.split == 1:
-            o_ref[pl.ds(row0, m), pl.ds(n0, kt.bn)] = y.astype(o_ref.dtype)
+            o_ref[pl.ds(row0, m), pl.ds(n0, kt.bn)] = acc.astype(o_ref.dtype)
         else:  # fp32 partials [split, M, D], summed by the combine
-            o_ref[ks, pl.ds(row0, m), pl.ds(n0, kt.bn)] = y
+            o_ref[ks, pl.ds(row0, m), pl.ds(n0, kt.bn)] = acc
 
     _for_used_block(slot, rows_ref, b, bm, tail_heights, block)
 
@@ -374,9 +368,9 @@ def gate_up(h_TD: jax.Array, row_token_M: jax.Array, slot_B: jax.Array, rows_B: 
     return out if kt.split == 1 else out[0]
 
 
-def down(act_MF: jax.Array, slot_B: jax.Array, rows_B: jax.Array, row_weight_M: jax.Array, experts: dict,
-         tiles: MoeTiles, *, interpret: bool = False) -> jax.Array:
-    """y [M, D] = row_weight * (act @ down[slot]) per row block; with a split K (tiles.dn.split > 1) the fp32
+def down(act_MF: jax.Array, slot_B: jax.Array, rows_B: jax.Array, experts: dict, tiles: MoeTiles, *,
+         interpret: bool = False) -> jax.Array:
+    """y [M, D] = act @ down[slot] per row block; with a split K (tiles.dn.split > 1) the fp32
     partials y [split, M, D], whose sum is y."""
     fmt = layout.weight_format(experts)
     w_arrays = layout.weight_arrays(experts, "down")
@@ -397,7 +391,7 @@ def down(act_MF: jax.Array, slot_B: jax.Array, rows_B: jax.Array, row_weight_M: 
         compiler_params=pltriton.CompilerParams(num_warps=kt.warps, num_stages=kt.stages),
         interpret=interpret,
         name=f"moe_down_{fmt}" + (f"_split{kt.split}" if kt.split > 1 else ""),
-    )(slot_B, rows_B, row_weight_M, act_MF, *w_arrays)
+    )(slot_B, rows_B, act_MF, *w_arrays)
 
 
 def experts_of(p: dict) -> tuple[dict, bool]:
@@ -442,22 +436,23 @@ def routed_experts_pallas(h_TD: jax.Array, idx_TK: jax.Array, w_TK: jax.Array, e
         group = min(tiles.group, lay.slot_B.shape[0])
         act_MF = kernel_mgpu.gate_up(h_TD, lay.row_token_M, lay.slot_B, lay.rows_B, experts, tiles.gu, group=group,
                                      alpha=alpha, limit=limit, interpret=interpret)
-        y_MD = kernel_mgpu.down(act_MF, lay.slot_B, lay.rows_B, lay.row_weight_M, experts, tiles.dn, group=group,
+        y_MD = kernel_mgpu.down(act_MF, lay.slot_B, lay.rows_B, experts, tiles.dn, group=group,
                                 interpret=interpret)
-        return combine(y_MD, lay.dest_TJ)
+        return combine(y_MD, lay.dest_TJ, lay.w_TJ)
     act_MF = gate_up(h_TD, lay.row_token_M, lay.slot_B, lay.rows_B, experts, tiles, alpha=alpha, limit=limit,
                      interpret=interpret)
-    y_MD = down(act_MF, lay.slot_B, lay.rows_B, lay.row_weight_M, experts, tiles, interpret=interpret)
-    return combine(y_MD, lay.dest_TJ)
+    y_MD = down(act_MF, lay.slot_B, lay.rows_B, experts, tiles, interpret=interpret)
+    return combine(y_MD, lay.dest_TJ, lay.w_TJ)
 
 
-def combine(y_MD: jax.Array, dest_TJ: jax.Array) -> jax.Array:
+def combine(y_MD: jax.Array, dest_TJ: jax.Array, w_TJ: jax.Array) -> jax.Array:
     """fp32 [T, D]: each token's k (+1) rows of down's output (or of its split-K partials [split, M, D]),
-    gathered and summed in fp32. Rows are owned by one program each, so this needs no atomics and is
-    deterministic."""
+    gathered, weighted by their routing weights and summed in fp32. Rows are owned by one program each, so
+    this needs no atomics and is deterministic."""
+    # A multiply and a reduce (one XLA reduce fusion), not an einsum, which could become a GEMM launch.
     if y_MD.ndim == 3:
-        return jnp.sum(y_MD[:, dest_TJ], axis=(0, 2))
-    return jnp.sum(y_MD[dest_TJ].astype(jnp.float32), axis=1)
+        return jnp.sum(y_MD[:, dest_TJ] * w_TJ[None, :, :, None], axis=(0, 2))
+    return jnp.sum(y_MD[dest_TJ].astype(jnp.float32) * w_TJ[:, :, None], axis=1)
 
 
 def moe_pallas(h_TD: jax.Array, p: dict, *, top_k: int, routed_scaling: float, alpha: float, limit: float,

@@ -48,13 +48,12 @@ def _swizzled(dtype: jnp.dtype, cols: int) -> tuple:
     return plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle)
 
 
-def _grouped_gemm(a_MK: jax.Array, ws: tuple[jax.Array, ...], slot_B: jax.Array, rows_B: jax.Array,
-                  row_weight_M: jax.Array | None, *, kt: KernelTiles, group: int, epilogue, out_cols: int,
-                  name: str, interpret: bool) -> jax.Array:
+def _grouped_gemm(a_MK: jax.Array, ws: tuple[jax.Array, ...], slot_B: jax.Array, rows_B: jax.Array, *,
+                  kt: KernelTiles, group: int, epilogue, out_cols: int, name: str, interpret: bool) -> jax.Array:
     """Tiles: `kt.bn` columns per B operand (gate_up has two: gate and up), `kt.bk` K per pipeline step,
     `kt.stages` steps in flight (`kt.warps` does not apply: 3 warpgroups).
     out[M, N_out] per row block b (slot s = slot_B[b] >= 0), tile j:
-    out[rows, j*out_cols:(j+1)*out_cols] = epilogue([a[rows] @ w[s][:, j*bn:(j+1)*bn] for w in ws], rw[rows])."""
+    out[rows, j*out_cols:(j+1)*out_cols] = epilogue([a[rows] @ w[s][:, j*bn:(j+1)*bn] for w in ws])."""
     M, K = a_MK.shape
     N = ws[0].shape[-1]
     if {a_MK.dtype, *(w.dtype for w in ws)} != {jnp.dtype(jnp.bfloat16)}:
@@ -65,12 +64,9 @@ def _grouped_gemm(a_MK: jax.Array, ws: tuple[jax.Array, ...], slot_B: jax.Array,
     assert nb * BM == M and K % bk == 0 and N % bn == 0 and out_cols % EPI_COLS == 0, (M, K, N, kt)
     tr = _swizzled(dt, bk)
     out_tr = _swizzled(dt, EPI_COLS)
-    with_weights = row_weight_M is not None
 
     def kernel(slot_ref, rows_ref, a_ref, *refs):
-        w_refs, rest = refs[:len(ws)], refs[len(ws):]
-        rw_ref = rest[0] if with_weights else None
-        o_ref = rest[-1]
+        w_refs, o_ref = refs[:len(ws)], refs[-1]
 
         def pipeline_for(body, context):
             return plgpu.emit_pipeline_warp_specialized(
@@ -87,11 +83,9 @@ def _grouped_gemm(a_MK: jax.Array, ws: tuple[jax.Array, ...], slot_B: jax.Array,
             allocs=pipeline_for(ignore, ignore).get_allocations(a_ref, *(w.at[0] for w in w_refs)),
             out_smem=plgpu.SMEM((2, 2, WG_ROWS, EPI_COLS), dt, transforms=out_tr),
         )
-        if with_weights:
-            scratch.update(rw_smem=plgpu.SMEM((2, WG_ROWS), jnp.float32), rw_bar=plgpu.Barrier(num_barriers=2))
 
         @functools.partial(pl.run_scoped, **scratch, collective_axes="wg")
-        def _scope(allocs, out_smem, rw_smem=None, rw_bar=None):
+        def _scope(allocs, out_smem):
             wg = lax.axis_index("wg")
 
             @plgpu.nd_loop((nb * nt,), collective_axes="sm")
@@ -122,13 +116,7 @@ def _grouped_gemm(a_MK: jax.Array, ws: tuple[jax.Array, ...], slot_B: jax.Array,
 
                         @pl.when(active)
                         def _():
-                            rw = None
-                            if with_weights:
-                                plgpu.copy_gmem_to_smem(rw_ref.at[pl.ds(row0, WG_ROWS)], rw_smem.at[wg],
-                                                        rw_bar.at[wg])
-                                plgpu.barrier_wait(rw_bar.at[wg])
-                                rw = plgpu.load(rw_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
-                            y = epilogue([acc[...] for acc in accs], rw).astype(dt)
+                            y = epilogue([acc[...] for acc in accs]).astype(dt)
                             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                             for c in range(out_cols // EPI_COLS):
                                 buf = out_smem.at[wg, c % 2]
@@ -149,7 +137,7 @@ def _grouped_gemm(a_MK: jax.Array, ws: tuple[jax.Array, ...], slot_B: jax.Array,
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     kernel.__name__ = kernel.__qualname__ = name  # how the kernel shows in profiles
-    args = (slot_B, rows_B, a_MK, *ws) + ((row_weight_M,) if with_weights else ())
+    args = (slot_B, rows_B, a_MK, *ws)
     return plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((M, nt * out_cols), dt),
@@ -166,20 +154,17 @@ def gate_up(h_TD: jax.Array, row_token_M: jax.Array, slot_B: jax.Array, rows_B: 
     assert layout.weight_format(experts) == "dense"
     x_MD = h_TD[row_token_M]  # TMA reads whole tiles: the block's rows gathered once, in sorted order
 
-    def swiglu(vals, _):
+    def swiglu(vals):
         return swiglu_oai(vals[0], vals[1], alpha=alpha, limit=limit)
 
-    return _grouped_gemm(x_MD, (experts["gate"], experts["up"]), slot_B, rows_B, None, kt=kt, group=group,
+    return _grouped_gemm(x_MD, (experts["gate"], experts["up"]), slot_B, rows_B, kt=kt, group=group,
                          epilogue=swiglu, out_cols=kt.bn, name="moe_gate_up_dense_mgpu", interpret=interpret)
 
 
-def down(act_MF: jax.Array, slot_B: jax.Array, rows_B: jax.Array, row_weight_M: jax.Array, experts: dict,
-         kt: KernelTiles, *, group: int, interpret: bool = False) -> jax.Array:
-    """y [M, D] = row_weight * (act @ down[slot]) as `kernel.down` computes it (bf16 experts, no split K)."""
+def down(act_MF: jax.Array, slot_B: jax.Array, rows_B: jax.Array, experts: dict, kt: KernelTiles, *,
+         group: int, interpret: bool = False) -> jax.Array:
+    """y [M, D] = act @ down[slot] as `kernel.down` computes it (bf16 experts, no split K)."""
     assert layout.weight_format(experts) == "dense"
-
-    def weighted(vals, rw):
-        return vals[0] * lax.broadcast_in_dim(rw, vals[0].shape, [0])
-
-    return _grouped_gemm(act_MF, (experts["down"],), slot_B, rows_B, row_weight_M, kt=kt, group=group,
-                         epilogue=weighted, out_cols=kt.bn, name="moe_down_dense_mgpu", interpret=interpret)
+    return _grouped_gemm(act_MF, (experts["down"],), slot_B, rows_B, kt=kt, group=group,
+                         epilogue=lambda vals: vals[0], out_cols=kt.bn, name="moe_down_dense_mgpu",
+                         interpret=interpret)

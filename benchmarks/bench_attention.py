@@ -80,6 +80,9 @@ class Recorder:
               f"{row.get('check', '')}", flush=True)
 
 
+# The attention implementation every dispatch call here takes ("pallas" on the GPU, "interpret" with --small).
+IMPL = "pallas"
+
 def _us(x: float | None) -> str:
     return "-" if x is None else f"{x * 1e6:9.1f}us"
 
@@ -307,7 +310,8 @@ def bench_case(case: Case, s: Shapes, rec: Recorder, *, small: bool, interpret: 
     decode = case.kind == "decode"  # in-graph timing where host dispatch could matter (ops of tens of us)
 
     # --- MSA index + top-k (the op the model calls: dispatch -> kernel with the table's tiles) ---
-    select = jax.jit(lambda iq, ik, pt, tr, pos: dispatch.paged_select_blocks(iq, ik, pt, tr, pos, **sel_kw))
+    select = jax.jit(lambda iq, ik, pt, tr, pos: dispatch.paged_select_blocks(iq, ik, pt, tr, pos, **sel_kw,
+                                                                                 impl=IMPL))
     select_ref = jax.jit(lambda iq, ik, pt, tr, pos: msa_ref.paged_select_blocks(iq, ik, pt, tr, pos, **sel_kw))
     sel_sets = [(st["iq"], case.ik_pages, *args(st, "page_table", "token_row", "pos")) for st in case.sets]
 
@@ -364,7 +368,7 @@ def bench_case(case: Case, s: Shapes, rec: Recorder, *, small: bool, interpret: 
     # --- block-sparse attention over the selected pages ---
     blocks_sets = [(select if select_ok else select_ref)(*a) for a in sel_sets]
     sp = jax.jit(lambda q, k, v, pt, tr, pos, b: dispatch.paged_block_sparse_attention(q, k, v, pt, tr, pos, b,
-                                                                                        scale=scale))
+                                                                                        scale=scale, impl=IMPL))
     sp_ref = jax.jit(lambda q, k, v, pt, tr, pos, b: msa_ref.paged_block_sparse_attention(q, k, v, pt, tr, pos, b,
                                                                                            scale=scale))
     sp_sets = [(st["q"], case.k_pages, case.v_pages, *args(st, "page_table", "token_row", "pos"), b)
@@ -391,7 +395,8 @@ def bench_case(case: Case, s: Shapes, rec: Recorder, *, small: bool, interpret: 
             **({"selection_overlap": _selection_overlap(np.asarray(blocks_sets[0]))} if not decode else {}))
 
     # --- dense ragged paged attention (the 3 dense layers) ---
-    dn = jax.jit(lambda q, k, v, pt, tr, pos: dispatch.paged_dense_attention(q, k, v, pt, tr, pos, scale))
+    dn = jax.jit(lambda q, k, v, pt, tr, pos: dispatch.paged_dense_attention(q, k, v, pt, tr, pos, scale,
+                                                                           impl=IMPL))
     dn_ref = jax.jit(lambda q, k, v, pt, tr, pos: attn_ref.paged_dense_attention(q, k, v, pt, tr, pos, scale))
     dn_sets = [x[:6] for x in sp_sets]
     check = {}
@@ -731,12 +736,13 @@ def main() -> None:
     start = time.perf_counter()
     deadline = start + a.budget_s
     interpret = a.small
-    os.environ[dispatch.IMPL_ENV] = "interpret" if a.small else "pallas"
+    global IMPL
+    IMPL = "interpret" if a.small else "pallas"
     s = SMALL if a.small else M3
     dtype = jnp.bfloat16
     dev = jax.devices()[0]
     meta = dict(device=getattr(dev, "device_kind", str(dev)), backend=jax.default_backend(), jax=jax.__version__,
-                git_rev=a.git_rev, impl=os.environ[dispatch.IMPL_ENV])
+                git_rev=a.git_rev, impl=IMPL)
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     rec = Recorder(a.out, meta)
     print(f"device={meta['device']} jax={jax.__version__} impl={meta['impl']}", flush=True)

@@ -61,10 +61,11 @@ def is_skipped(name: str) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class Piece:
-    path: PathKey  # into the params tree, e.g. ("layers", 3, "moe", "w_gate")
+    path: PathKey  # into the params tree, e.g. ("runs", 1, "moe", "w_gate")
     linear: bool  # HF [out, in] -> ours [in, out]: swap the last two axes
     index: int | None = None  # fixed leading index into the param (one expert of a per-expert tensor)
     rows: tuple[int, int] | None = None  # rows of the HF (out) axis, for fused gate_up tensors
+    layer: int | None = None  # the layer inside its run: the param's leading (stacked layer) axis
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,10 +94,13 @@ def hf_view(block: np.ndarray, piece: Piece) -> np.ndarray:
 
 
 def param_slot(params: dict, piece: Piece, expert: int | None) -> np.ndarray:
-    """The param array (or one expert of it) that `piece` fills."""
+    """The param array (or one expert of it) that `piece` fills: a view into the stacked run array, so loading
+    writes straight into the stacked layout."""
     node = params
     for key in piece.path:
         node = node[key]
+    if piece.layer is not None:
+        node = node[piece.layer]
     index = expert if expert is not None else piece.index
     return node if index is None else node[index]
 
@@ -123,7 +127,8 @@ def _mlp(prefix: str, d: int, f: int, path: PathKey, fused: bool) -> list[Tensor
 def _layer_rules(cfg: M3Config, i: int, layout: Layout, present: Container[str] | None) -> list[TensorRule]:
     d, h, kv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     p = f"{layout.prefix}layers.{i}."
-    me: PathKey = ("layers", i)
+    run, in_run = cfg.run_of(i)
+    me: PathKey = ("runs", run)
     hf = layout.subnames == "transformers"
 
     def is_fused(mlp_prefix: str) -> bool:
@@ -151,7 +156,7 @@ def _layer_rules(cfg: M3Config, i: int, layout: Layout, present: Container[str] 
         ]
     if cfg.mlp_types[i] == "dense":
         rules += _mlp(f"{p}mlp", d, cfg.dense_intermediate_size, (*me, "mlp"), is_fused(f"{p}mlp"))
-        return rules
+        return _in_layer(rules, in_run)
 
     e, f = cfg.num_experts, cfg.moe_intermediate_size
     moe: PathKey = (*me, "moe")
@@ -179,7 +184,13 @@ def _layer_rules(cfg: M3Config, i: int, layout: Layout, present: Container[str] 
     if cfg.num_shared_experts:
         s = f"{m}shared_experts"
         rules += _mlp(s, d, cfg.shared_intermediate_size, (*moe, "shared"), is_fused(s))
-    return rules
+    return _in_layer(rules, in_run)
+
+
+def _in_layer(rules: list[TensorRule], j: int) -> list[TensorRule]:
+    """Point every piece at layer j of its run's stacked params."""
+    return [dataclasses.replace(r, pieces=tuple(dataclasses.replace(pc, layer=j) for pc in r.pieces))
+            for r in rules]
 
 
 def tensor_rules(cfg: M3Config, layout: Layout,

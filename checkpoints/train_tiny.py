@@ -51,6 +51,7 @@ from m3jax.config import M3Config
 from m3jax.model import forward
 from m3jax.params import ParamSpec, map_specs, param_specs
 from pallas_kernels import ops
+from pallas_kernels.choice import REFERENCE
 from pallas_kernels.moe.reference import route
 
 # The embedded model's shape. Its own config, not a preset: presets describe M3 itself.
@@ -134,7 +135,8 @@ def loss_and_loads(params: Any, cfg: M3Config, batch: Batch, targets_T: jax.Arra
     """Mean next-token cross-entropy (nats) and, per MoE layer, each expert's share of routed slots [M, E]."""
     num_pages = 1 + batch.page_table.size  # static: every row has its own pages, plus the sink
     with recording_routing() as chosen:
-        out = forward(params, cfg, KVPages.empty(cfg, num_pages, jnp.float32), batch)
+        # Unrolled: the recorder sees each MoE layer's call at the top level (inside a scan it would see one).
+        out = forward(params, cfg, KVPages.empty(cfg, num_pages, jnp.float32), batch, REFERENCE, unroll=True)
     logp = jax.nn.log_softmax(out.logits, axis=-1)
     loss = -jnp.mean(jnp.take_along_axis(logp, targets_T[:, None], axis=-1))
     loads = jnp.stack([jnp.bincount(c.reshape(-1), length=cfg.num_experts) / c.size for c in chosen])
@@ -160,18 +162,12 @@ def init_params(cfg: M3Config, seed: int) -> Any:
     return jax.tree.map(jnp.asarray, map_specs(make, param_specs(cfg)))
 
 
-def _masks(params: Any) -> tuple[Any, Any]:
-    """(trained by gradient, weight-decayed): the routing bias is neither; vectors (norms) are not decayed."""
-    def walk(node: Any, name: str = "") -> Any:
-        if isinstance(node, dict):
-            return {k: walk(v, k) for k, v in node.items()}
-        if isinstance(node, list):
-            return [walk(v, name) for v in node]
-        return (name != "router_bias", name != "router_bias" and node.ndim >= 2)
-
-    both = walk(params)
-    is_pair = lambda x: isinstance(x, tuple)  # noqa: E731
-    return (jax.tree.map(lambda m: m[0], both, is_leaf=is_pair), jax.tree.map(lambda m: m[1], both, is_leaf=is_pair))
+def _masks(cfg: M3Config) -> tuple[Any, Any]:
+    """(trained by gradient, weight-decayed) per param: the routing bias is neither; norms are not decayed."""
+    specs = param_specs(cfg)
+    trained = map_specs(lambda s: s.init != "zeros", specs)  # "zeros": the routing bias
+    decayed = map_specs(lambda s: s.init == "matrix", specs)
+    return trained, decayed
 
 
 def lr_at(step: jax.Array, peak: float, total: int, warmup: int) -> jax.Array:
@@ -188,7 +184,7 @@ def make_train_step(cfg: M3Config, *, peak_lr: float, total: int, warmup: int,
     grad_fn = jax.value_and_grad(loss_and_loads, has_aux=True)
 
     def step_fn(params: Any, opt: dict[str, Any], batch: Batch, targets: jax.Array) -> tuple[Any, ...]:
-        trained, decayed = _masks(params)
+        trained, decayed = _masks(cfg)
         (loss, loads), grads = grad_fn(params, cfg, batch, targets)
         gnorm = jnp.sqrt(sum(jnp.sum(g * g) for g in jax.tree.leaves(grads)))
         grads = jax.tree.map(lambda g: g * jnp.minimum(1.0, clip / (gnorm + 1e-6)), grads)
@@ -206,10 +202,13 @@ def make_train_step(cfg: M3Config, *, peak_lr: float, total: int, warmup: int,
 
         params = jax.tree.map(update, params, m, v, trained, decayed)
         # Aux-loss-free balancing: overloaded experts' bias goes down, underloaded ones' up.
-        moe_layers = [i for i, t_ in enumerate(cfg.mlp_types) if t_ == "moe"]
-        for row, i in enumerate(moe_layers):
-            bias = params["layers"][i]["moe"]["router_bias"]
-            params["layers"][i]["moe"]["router_bias"] = bias + bias_step * jnp.sign(jnp.mean(loads[row]) - loads[row])
+        row = 0  # loads has one row per MoE layer, in layer order
+        for r, run in enumerate(cfg.layer_runs):
+            if run.mlp == "moe":
+                run_loads = loads[row:row + run.count]  # [layers, E]
+                step = bias_step * jnp.sign(jnp.mean(run_loads, axis=-1, keepdims=True) - run_loads)
+                params["runs"][r]["moe"]["router_bias"] = params["runs"][r]["moe"]["router_bias"] + step
+                row += run.count
         return params, {"m": m, "v": v, "t": t}, loss, gnorm, lr, loads
 
     # One compile per batch shape (the short and the long sequences).

@@ -14,6 +14,7 @@ from m3jax.batch import Batch, KVPages, RowPlan, build_batch, page_size
 from m3jax.config import M3Config
 from m3jax.model import ForwardOutput, forward
 from m3jax.sharding import ShardingRules, make_rules, shard_params
+from pallas_kernels.choice import KernelChoice
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 # Prompts are padded to a multiple of this, so a new prompt length rarely means a new compile.
@@ -27,45 +28,51 @@ def _round_up(n: int, m: int) -> int:
 class M3Model:
     """A loaded M3 text backbone on one device or a TP mesh."""
 
-    def __init__(self, cfg: M3Config, params: Any, rules: ShardingRules, dtype: Any, path: Path | None = None):
+    def __init__(self, cfg: M3Config, params: Any, rules: ShardingRules, dtype: Any, path: Path | None = None,
+                 kernels: KernelChoice | None = None):
         self.cfg = cfg
         self.params = params
         self.rules = rules
         self.dtype = dtype
         self.path = path
         self.page_size = page_size(cfg)
-        # cfg is a frozen dataclass, so it can be a static argument; the page pool is donated.
-        self._forward: Callable[..., ForwardOutput] = jax.jit(forward, static_argnums=(1,), donate_argnums=(2,))
+        self.kernels = (kernels or KernelChoice("auto", "auto")).resolve(rules.mesh.size)
+        # cfg and the kernel choice are frozen dataclasses, so they can be static arguments; the pool is donated.
+        self._forward: Callable[..., ForwardOutput] = jax.jit(forward, static_argnums=(1, 4), donate_argnums=(2,))
 
     @classmethod
     def create(cls, cfg: M3Config, host_params: Any, dtype: str = "float32", tensor_parallel_size: int = 1,
-               expert_parallel: bool = False, path: Path | None = None, moe_weight_format: str = "bf16") -> M3Model:
+               expert_parallel: bool = False, path: Path | None = None, moe_weight_format: str = "bf16",
+               kernels: KernelChoice | None = None) -> M3Model:
         """Place host params (numpy pytree matching `param_specs(cfg)`) on a mesh of `tensor_parallel_size`.
 
-        On one GPU the MoE weights are also laid out once for the Pallas kernel (`checkpoints.prepare`), in
-        `moe_weight_format` ("bf16", or "mxfp8" / "mxfp4" to keep them 8- / 4-bit on the device).
+        When the MoE layers run the Pallas kernels, their weights are also laid out once for them
+        (`checkpoints.prepare`), in `moe_weight_format` ("bf16", or "mxfp8" / "mxfp4" to keep them 8- / 4-bit on
+        the device). `kernels`: what each op family runs (default: "auto", resolved for this backend).
         """
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         rules = make_rules(tensor_parallel_size, expert_parallel)
         params = shard_params(host_params, cfg, rules)
-        if jax.default_backend() == "gpu" and tensor_parallel_size == 1 and "moe" in cfg.mlp_types:
+        kernels = (kernels or KernelChoice("auto", "auto")).resolve(rules.mesh.size)
+        if kernels.moe == "pallas" and "moe" in cfg.mlp_types:
             from checkpoints.prepare import prepare_params
 
             params = prepare_params(params, moe_weight_format, keep_reference=False)
-        return cls(cfg, params, rules, _DTYPES[dtype], path)
+        return cls(cfg, params, rules, _DTYPES[dtype], path, kernels)
 
     def new_pages(self, num_pages: int) -> KVPages:
         """A page pool (page 0 is the padding sink, never handed out)."""
-        shape = (num_pages, self.page_size, self.cfg.num_kv_heads, self.cfg.head_dim)
-        sharding = self.rules.sharding(shape, ("pages", "page_slots", "kv_heads", "head_dim"), "kv pages")
+        axes = ("layers", "pages", "page_slots", "kv_heads", "head_dim")
+        sharding = self.rules.sharding((1, num_pages, self.page_size, self.cfg.num_kv_heads, self.cfg.head_dim),
+                                       axes, "kv pages")
         # Every array committed to the mesh up front: a step's outputs then have the inputs' placement, so the
         # next step hits the same compiled executable.
         return KVPages.empty(self.cfg, num_pages, self.dtype, sharding, self.rules.replicated())
 
     def step(self, kv: KVPages, batch: Batch) -> ForwardOutput:
         """One jitted forward over a flat ragged batch; `kv` is donated (use the returned one)."""
-        return self._forward(self.params, self.cfg, kv, batch)
+        return self._forward(self.params, self.cfg, kv, batch, self.kernels)
 
     # ---- public ------------------------------------------------------------------------------------------
     def logits(self, token_ids: Sequence[Sequence[int]] | np.ndarray) -> np.ndarray:
@@ -139,7 +146,8 @@ def embedded_model_path() -> Path:
 
 
 def load_model(path: str | Path | None = None, dtype: str = "float32", tensor_parallel_size: int = 1,
-               expert_parallel: bool = False, moe_weight_format: str = "bf16") -> M3Model:
+               expert_parallel: bool = False, moe_weight_format: str = "bf16",
+               kernels: KernelChoice | None = None) -> M3Model:
     """Load an M3 checkpoint directory (VL wrapper or text-only; bf16 or MXFP8) onto 1 or `tensor_parallel_size`
     devices. `path=None` loads the embedded tiny model."""
     from checkpoints import load_params
@@ -148,4 +156,5 @@ def load_model(path: str | Path | None = None, dtype: str = "float32", tensor_pa
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
     path = Path(path) if path is not None else embedded_model_path()
     cfg, host_params = load_params(path, dtype=dtype)
-    return M3Model.create(cfg, host_params, dtype, tensor_parallel_size, expert_parallel, path, moe_weight_format)
+    return M3Model.create(cfg, host_params, dtype, tensor_parallel_size, expert_parallel, path, moe_weight_format,
+                          kernels)

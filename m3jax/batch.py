@@ -43,12 +43,20 @@ class Batch:
     def num_tokens(self) -> int:
         return self.token_ids.shape[0]
 
+    def with_page_offset(self, offset: jax.Array | int, ps: int) -> Batch:
+        """The same batch addressing pages `offset` further on: a layer's pages inside its run's stacked pool
+        (layer j of a run owns pages j * num_pages ... (j + 1) * num_pages - 1, its own sink page first)."""
+        return dataclasses.replace(self, page_table=self.page_table + offset,
+                                   slot_mapping=self.slot_mapping + offset * ps)
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KVPages:
-    """The page pool. k[layer], v[layer]: [pages, page_size, K, hd]; index_k[layer]: [pages, page_size, hdi]
-    on sparse layers (None on dense ones). K is post-norm post-RoPE, V raw, index-K post-norm post-RoPE."""
+    """The page pool, one array per layer run (`M3Config.layer_runs`), stacked over the run's layers like its
+    weights: k[run], v[run]: [layers, pages, page_size, K, hd]; index_k[run]: [layers, pages, page_size, hdi] on
+    sparse runs (None on dense ones). K is post-norm post-RoPE, V raw, index-K post-norm post-RoPE. A page id
+    means the same page in every layer: a request's pages hold its K, V and index-K of all layers."""
 
     k: list[jax.Array]
     v: list[jax.Array]
@@ -57,22 +65,23 @@ class KVPages:
     @classmethod
     def empty(cls, cfg: M3Config, num_pages: int, dtype: Any, kv_sharding: Any = None,
               index_sharding: Any = None) -> KVPages:
-        shape = (num_pages, page_size(cfg), cfg.num_kv_heads, cfg.head_dim)
-
         def zeros(s: tuple[int, ...], sharding: Any = None) -> jax.Array:
-            z = jnp.zeros(s, dtype)
-            return jax.device_put(z, sharding) if sharding is not None else z
+            if sharding is None:
+                return jnp.zeros(s, dtype)
+            # Made in place on the mesh: a KV pool can be most of a device's memory.
+            return jax.jit(lambda: jnp.zeros(s, dtype), out_shardings=sharding)()
 
+        runs = cfg.layer_runs
         return cls(
-            k=[zeros(shape, kv_sharding) for _ in range(cfg.num_layers)],
-            v=[zeros(shape, kv_sharding) for _ in range(cfg.num_layers)],
-            index_k=[zeros((num_pages, page_size(cfg), cfg.index_head_dim), index_sharding) if t == "sparse" else None
-                     for t in cfg.attn_types],
+            k=[zeros(kv_shape(cfg, run.count, num_pages), kv_sharding) for run in runs],
+            v=[zeros(kv_shape(cfg, run.count, num_pages), kv_sharding) for run in runs],
+            index_k=[zeros(index_k_shape(cfg, run.count, num_pages), index_sharding) if run.attn == "sparse"
+                     else None for run in runs],
         )
 
     @property
     def num_pages(self) -> int:
-        return self.k[0].shape[0]
+        return self.k[0].shape[1]
 
     @staticmethod
     def bytes_per_page(cfg: M3Config, dtype: Any) -> int:
@@ -80,6 +89,14 @@ class KVPages:
         kv = 2 * cfg.num_layers * ps * cfg.num_kv_heads * cfg.head_dim
         idx = len(cfg.sparse_layers) * ps * cfg.index_head_dim
         return (kv + idx) * item
+
+
+def kv_shape(cfg: M3Config, layers: int, num_pages: int) -> tuple[int, ...]:
+    return (layers, num_pages, page_size(cfg), cfg.num_kv_heads, cfg.head_dim)
+
+
+def index_k_shape(cfg: M3Config, layers: int, num_pages: int) -> tuple[int, ...]:
+    return (layers, num_pages, page_size(cfg), cfg.index_head_dim)
 
 
 @dataclasses.dataclass
@@ -95,8 +112,9 @@ class RowPlan:
 
 def build_batch(rows: Sequence[RowPlan], ps: int, num_tokens: int, num_rows: int, pages_per_row: int,
                 num_logit_rows: int | None = None) -> tuple[Batch, list[int]]:
-    """Host-side assembly of a padded Batch. Returns the batch and, per row, the index into `logit_rows` of
-    its sampled token (-1 if not sampled). Padding tokens write to the sink page and read row 0."""
+    """Host-side assembly of a padded Batch (numpy leaves). Returns the batch and, per row, the index into
+    `logit_rows` of its sampled token (-1 if not sampled). Padding tokens write to the sink page and read row 0.
+    Token ids below 0 (placeholders the step fills on the device) are sent as 0."""
     total = sum(len(r.tokens) for r in rows)
     if total > num_tokens or len(rows) > num_rows:
         raise ValueError(f"{total} tokens / {len(rows)} rows do not fit the bucket ({num_tokens}, {num_rows})")
@@ -121,7 +139,7 @@ def build_batch(rows: Sequence[RowPlan], ps: int, num_tokens: int, num_rows: int
             raise ValueError(f"row {r}: {len(row.pages)} pages exceed the page table width {pages_per_row}")
         page_table[r, : len(row.pages)] = row.pages
         pos = np.arange(row.start, end, dtype=np.int32)
-        token_ids[t:t + n] = row.tokens
+        token_ids[t:t + n] = np.maximum(np.asarray(row.tokens, np.int64), 0)
         positions[t:t + n] = pos
         token_row[t:t + n] = r
         slots[t:t + n] = page_table[r, pos // ps] * ps + pos % ps
@@ -136,6 +154,6 @@ def build_batch(rows: Sequence[RowPlan], ps: int, num_tokens: int, num_rows: int
             sample_index.append(-1)
         t += n
         query_start[r + 1:] = t
-    batch = Batch(*(jnp.asarray(a) for a in (token_ids, positions, token_row, slots, page_table, logit_rows,
-                                             query_start, seq_lens)))
+    # Host arrays: jit (or a compiled step) moves them to the devices with the placement it was built for.
+    batch = Batch(token_ids, positions, token_row, slots, page_table, logit_rows, query_start, seq_lens)
     return batch, sample_index

@@ -24,6 +24,21 @@ class ConfigError(ValueError):
 
 
 @dataclasses.dataclass(frozen=True)
+class LayerRun:
+    """Consecutive layers of one (attention kind, MLP kind): their weights are stacked and the decoder runs
+    them as one `lax.scan`, so tracing and compiling cost one layer per run, not one per layer."""
+
+    start: int
+    count: int
+    attn: AttnType
+    mlp: MlpType
+
+    @property
+    def layers(self) -> range:
+        return range(self.start, self.start + self.count)
+
+
+@dataclasses.dataclass(frozen=True)
 class M3Config:
     vocab_size: int
     hidden_size: int
@@ -106,6 +121,24 @@ class M3Config:
     @property
     def sparse_layers(self) -> tuple[int, ...]:
         return tuple(i for i, t in enumerate(self.attn_types) if t == "sparse")
+
+    @property
+    def layer_runs(self) -> tuple[LayerRun, ...]:
+        """Maximal runs of consecutive layers of the same (attention kind, MLP kind): m3-full has two."""
+        runs: list[LayerRun] = []
+        for i, kinds in enumerate(zip(self.attn_types, self.mlp_types, strict=True)):
+            if runs and (runs[-1].attn, runs[-1].mlp) == kinds:
+                runs[-1] = dataclasses.replace(runs[-1], count=runs[-1].count + 1)
+            else:
+                runs.append(LayerRun(i, 1, *kinds))
+        return tuple(runs)
+
+    def run_of(self, layer: int) -> tuple[int, int]:
+        """(run index, index inside the run) of a layer."""
+        for r, run in enumerate(self.layer_runs):
+            if layer in run.layers:
+                return r, layer - run.start
+        raise IndexError(f"layer {layer} out of range for {self.num_layers} layers")
 
     def index_recomputes(self, layer: int) -> bool:
         """With cross-layer top-k reuse, does this sparse layer compute its own selection?"""

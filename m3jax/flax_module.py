@@ -16,11 +16,13 @@ from m3jax.batch import Batch, KVPages
 from m3jax.config import M3Config
 from m3jax.model import ForwardOutput, forward
 from m3jax.params import is_spec, param_specs
+from pallas_kernels.choice import REFERENCE, KernelChoice
 
 
 class M3(nnx.Module):
-    def __init__(self, cfg: M3Config, params: Any):
+    def __init__(self, cfg: M3Config, params: Any, kernels: KernelChoice = REFERENCE):
         self.cfg = cfg
+        self.kernels = kernels
         specs = param_specs(cfg)
         leaves_spec, treedef = jax.tree.flatten(specs, is_leaf=is_spec)
         leaves = treedef.flatten_up_to(params)
@@ -36,5 +38,5 @@ class M3(nnx.Module):
         return [w.logical_axes for w in self.weights]
 
     def __call__(self, kv: KVPages, batch: Batch) -> ForwardOutput:
-        return forward(self.params(), self.cfg, kv, batch)
+        return forward(self.params(), self.cfg, kv, batch, self.kernels)
 

@@ -3,11 +3,16 @@
 Read top to bottom: norms and RoPE, attention (dense, or MSA: index branch -> block selection ->
 block-sparse attention), the MLPs (dense SwiGLU-OAI, MoE with a shared expert), the decoder layer, `forward`.
 Everything is a pure function of a params pytree (`m3jax.params.param_specs` declares it), so `jax.jit` and
-sharding apply unchanged. The hot ops go through `pallas_kernels.ops`, which picks kernel or jnp reference.
+sharding apply unchanged. The hot ops go through `pallas_kernels.ops`; which implementation each family runs
+(Pallas kernel, interpreter or jnp reference) is the static `KernelChoice` handed to `forward`.
 
 A step is a flat ragged `Batch` (m3jax/batch.py): T query tokens of R requests, K/V/index-K in pages of one MSA
-block each. Shape letters: T tokens, D hidden, H query heads, K kv heads (= index heads = MSA groups),
-hd head dim, E experts, F expert width, N selected blocks, L sampled rows.
+block each. Consecutive layers of the same kind form a run (`M3Config.layer_runs`; m3-full has two: 3 dense
+layers, then 57 MSA + MoE layers) whose weights and pages are stacked, and `forward` runs each run as one
+`lax.scan`: tracing and compiling cost one layer per run, whatever the depth.
+
+Shape letters: T tokens, D hidden, H query heads, K kv heads (= index heads = MSA groups), hd head dim,
+E experts, F expert width, N selected blocks, L sampled rows.
 """
 
 from __future__ import annotations
@@ -19,8 +24,9 @@ import jax
 import jax.numpy as jnp
 
 from m3jax.batch import Batch, KVPages
-from m3jax.config import M3Config
+from m3jax.config import LayerRun, M3Config
 from pallas_kernels import ops
+from pallas_kernels.choice import KernelChoice
 
 Params = dict[str, Any]
 
@@ -56,57 +62,125 @@ def apply_rope(x_THD: jax.Array, cos_TR: jax.Array, sin_TR: jax.Array) -> jax.Ar
 
 # ---- attention ---------------------------------------------------------------------------------------------
 
-def msa_select(p: Params, cfg: M3Config, layer: int, h_TD: jax.Array, batch: Batch, rope: tuple[jax.Array, ...],
-               kv: KVPages) -> jax.Array:
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class LayerPages:
+    """One run's page pool as the layers of the scan see it: [layers * pages, page_size, ...], layer j's pages
+    starting at j * pages (so the kernels index one flat pool through an offset page table)."""
+
+    k: jax.Array
+    v: jax.Array
+    index_k: jax.Array | None
+
+
+def msa_select(p: Params, cfg: M3Config, h_TD: jax.Array, batch: Batch, rope: tuple[jax.Array, ...],
+               index_k: jax.Array, kernels: KernelChoice) -> tuple[jax.Array, jax.Array]:
     """MSA index branch: write this step's index-K, then pick blocks per (KV group, query token): [T, K, N]."""
     iq = rms_norm(jnp.einsum("td,dgi->tgi", h_TD, p["wq"]), p["q_norm"], cfg.rms_norm_eps)
     ik = rms_norm(jnp.einsum("td,di->ti", h_TD, p["wk"])[:, None, :], p["k_norm"], cfg.rms_norm_eps)
     iq, ik = apply_rope(iq, *rope), apply_rope(ik, *rope)
-    kv.index_k[layer] = ops.write_kv_pages(kv.index_k[layer], ik[:, 0], batch.slot_mapping)
-    return ops.paged_select_blocks(iq, kv.index_k[layer], batch.page_table, batch.token_row, batch.positions,
-                                   topk=cfg.index_topk_blocks, local_blocks=cfg.index_local_blocks,
-                                   init_blocks=cfg.index_init_blocks)
+    index_k = ops.write_kv_pages(index_k, ik[:, 0], batch.slot_mapping, impl=kernels.attention)
+    blocks = ops.paged_select_blocks(iq, index_k, batch.page_table, batch.token_row, batch.positions,
+                                     topk=cfg.index_topk_blocks, local_blocks=cfg.index_local_blocks,
+                                     init_blocks=cfg.index_init_blocks, impl=kernels.attention)
+    return index_k, blocks
 
 
-def attention(p: Params, cfg: M3Config, layer: int, h_TD: jax.Array, batch: Batch, rope: tuple[jax.Array, ...],
-              kv: KVPages, reuse_blocks: jax.Array | None) -> tuple[jax.Array, jax.Array | None]:
+def attention(p: Params, cfg: M3Config, kind: str, h_TD: jax.Array, batch: Batch, rope: tuple[jax.Array, ...],
+              pages: LayerPages, reuse_blocks: jax.Array | None, recompute: jax.Array | bool,
+              kernels: KernelChoice) -> tuple[jax.Array, LayerPages, jax.Array | None]:
     """Self-attention of one layer: project, QK-norm, RoPE, write K/V pages, attend (dense or MSA)."""
     a = p["attn"]
     q = rms_norm(jnp.einsum("td,dhk->thk", h_TD, a["wq"]), a["q_norm"], cfg.rms_norm_eps)
     k = rms_norm(jnp.einsum("td,dhk->thk", h_TD, a["wk"]), a["k_norm"], cfg.rms_norm_eps)
     v = jnp.einsum("td,dhk->thk", h_TD, a["wv"])
     q, k = apply_rope(q, *rope), apply_rope(k, *rope)  # norm before RoPE; V gets neither
-    kv.k[layer] = ops.write_kv_pages(kv.k[layer], k, batch.slot_mapping)
-    kv.v[layer] = ops.write_kv_pages(kv.v[layer], v, batch.slot_mapping)
+    impl = kernels.attention
+    k_pages = ops.write_kv_pages(pages.k, k, batch.slot_mapping, impl=impl)
+    v_pages = ops.write_kv_pages(pages.v, v, batch.slot_mapping, impl=impl)
     scale = cfg.head_dim ** -0.5
 
-    blocks = None
-    if cfg.attn_types[layer] == "dense":
-        o = ops.paged_dense_attention(q, kv.k[layer], kv.v[layer], batch.page_table, batch.token_row,
-                                      batch.positions, scale)
+    index_k, blocks = pages.index_k, None
+    if kind == "dense":
+        o = ops.paged_dense_attention(q, k_pages, v_pages, batch.page_table, batch.token_row, batch.positions, scale,
+                                      impl=impl)
     else:
-        if cfg.index_recomputes(layer) or reuse_blocks is None:
-            blocks = msa_select(p["index"], cfg, layer, h_TD, batch, rope, kv)
-        else:
-            # Cross-layer top-k reuse (opt-in): this layer's index-K is never read, so it is not written.
+        def select() -> tuple[jax.Array, jax.Array]:
+            return msa_select(p["index"], cfg, h_TD, batch, rope, index_k, kernels)
+
+        # Cross-layer top-k reuse (opt-in): a reusing layer's index-K is never read, so it is not written.
+        if reuse_blocks is None or recompute is True:
+            index_k, blocks = select()
+        elif recompute is False:
             blocks = reuse_blocks
-        o = ops.paged_block_sparse_attention(q, kv.k[layer], kv.v[layer], batch.page_table, batch.token_row,
-                                             batch.positions, blocks, scale=scale)
-    return jnp.einsum("thk,hkd->td", o, a["wo"]), blocks
+        else:  # decided per layer inside a scan
+            index_k, blocks = jax.lax.cond(recompute, select, lambda: (index_k, reuse_blocks))
+        o = ops.paged_block_sparse_attention(q, k_pages, v_pages, batch.page_table, batch.token_row,
+                                             batch.positions, blocks, scale=scale, impl=impl)
+    return jnp.einsum("thk,hkd->td", o, a["wo"]), LayerPages(k_pages, v_pages, index_k), blocks
 
 
 # ---- MLPs --------------------------------------------------------------------------------------------------
 
-def mlp(p: Params, cfg: M3Config, layer: int, h_TD: jax.Array) -> jax.Array:
-    if cfg.mlp_types[layer] == "dense":
+def mlp(p: Params, cfg: M3Config, kind: str, h_TD: jax.Array, kernels: KernelChoice) -> jax.Array:
+    if kind == "dense":
         m = p["mlp"]
         return ops.dense_mlp(h_TD, m["w_gate"], m["w_up"], m["w_down"], alpha=cfg.swiglu_alpha,
                              limit=cfg.swiglu_limit)
     return ops.moe(h_TD, p["moe"], top_k=cfg.num_experts_per_tok, routed_scaling=cfg.routed_scaling_factor,
-                   alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit)
+                   alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit, impl=kernels.moe)
 
 
 # ---- the decoder -------------------------------------------------------------------------------------------
+
+def decoder_layer(lp: Params, cfg: M3Config, run: LayerRun, x_TD: jax.Array, batch: Batch,
+                  rope: tuple[jax.Array, ...], pages: LayerPages, reuse_blocks: jax.Array | None,
+                  recompute: jax.Array | bool, kernels: KernelChoice
+                  ) -> tuple[jax.Array, LayerPages, jax.Array | None]:
+    """Pre-norm residual block: x + attention(norm(x)), then + MLP(norm(x))."""
+    o, pages, blocks = attention(lp, cfg, run.attn, rms_norm(x_TD, lp["input_norm"], cfg.rms_norm_eps), batch,
+                                 rope, pages, reuse_blocks, recompute, kernels)
+    x_TD = x_TD + o
+    x_TD = x_TD + mlp(lp, cfg, run.mlp, rms_norm(x_TD, lp["post_attn_norm"], cfg.rms_norm_eps), kernels)
+    return x_TD, pages, blocks
+
+
+def run_layers(rp: Params, cfg: M3Config, run: LayerRun, x_TD: jax.Array, batch: Batch,
+               rope: tuple[jax.Array, ...], pages: LayerPages, blocks: jax.Array | None, kernels: KernelChoice,
+               unroll: bool = False) -> tuple[jax.Array, LayerPages, jax.Array | None, jax.Array | None]:
+    """A run's layers as one `lax.scan` over their stacked weights (`rp`, leading layer axis), or with `unroll`
+    as a Python loop over the same layer function (for code that must see each layer's ops at the top level,
+    such as training's routing statistics). Returns the new residual stream, the run's pages, the last selection
+    (for the next run's reuse) and every layer's selection [layers, T, K, N] (sparse runs; unused outputs cost
+    nothing once XLA drops them)."""
+    num_pages = pages.k.shape[0] // run.count
+    ps = pages.k.shape[1]
+    sparse = run.attn == "sparse"
+    if sparse and blocks is None:
+        blocks = jnp.full((batch.num_tokens, cfg.num_kv_heads, cfg.index_topk_blocks), -1, jnp.int32)
+    # Which layers select their own blocks (all of them unless cross-layer top-k reuse is on): static when every
+    # layer does, so the default traces no cond.
+    selects = [cfg.index_recomputes(i) for i in run.layers] if sparse else [True] * run.count
+    recompute_all = all(selects)
+
+    def layer(carry: tuple, xs: tuple) -> tuple[tuple, jax.Array | None]:
+        x, pages, reuse = carry
+        lp, j, recompute = xs
+        x, pages, sel = decoder_layer(lp, cfg, run, x, batch.with_page_offset(j * num_pages, ps), rope, pages,
+                                      reuse if sparse else None, True if recompute_all else recompute, kernels)
+        return (x, pages, sel if sparse else reuse), sel
+
+    if unroll:
+        carry, per_layer = (x_TD, pages, blocks), []
+        for j in range(run.count):
+            carry, sel = layer(carry, (jax.tree.map(lambda a, j=j: a[j], rp), j, selects[j]))
+            per_layer.append(sel)
+        (x_TD, pages, blocks) = carry
+        return x_TD, pages, blocks, jnp.stack(per_layer) if sparse else None
+    xs = (rp, jnp.arange(run.count, dtype=jnp.int32), jnp.asarray(selects))
+    (x_TD, pages, blocks), selections = jax.lax.scan(layer, (x_TD, pages, blocks), xs)
+    return x_TD, pages, blocks, selections
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
@@ -116,22 +190,31 @@ class ForwardOutput:
     selections: dict[int, jax.Array]  # sparse layer -> logical blocks [T, K, N] (-1 padded)
 
 
-def forward(params: Params, cfg: M3Config, kv: KVPages, batch: Batch) -> ForwardOutput:
+def forward(params: Params, cfg: M3Config, kv: KVPages, batch: Batch, kernels: KernelChoice,
+            unroll: bool = False) -> ForwardOutput:
     """One step of M3 over a flat ragged batch: every token's K/V/index-K is written to its slot, every token
-    attends to its own request's pages up to its position, and logits come only for `batch.logit_rows`."""
-    kv = KVPages(list(kv.k), list(kv.v), list(kv.index_k))
+    attends to its own request's pages up to its position, and logits come only for `batch.logit_rows`.
+    `kernels` must be resolved (no "auto"): it is static, part of the compiled step's identity. `unroll`: layers
+    in a Python loop instead of scans (same function; see `run_layers`)."""
+    if not kernels.resolved:
+        raise ValueError(f"{kernels} is not resolved: call KernelChoice.resolve() first")
     x = params["embed"][batch.token_ids]  # [T, D]; no embedding scale in M3
     rope = rope_tables(batch.positions, cfg.rotary_dim, cfg.rope_theta, x.dtype)
+    new_kv = KVPages([], [], [])
     selections: dict[int, jax.Array] = {}
     blocks = None
-    for i, lp in enumerate(params["layers"]):
-        o, layer_blocks = attention(lp, cfg, i, rms_norm(x, lp["input_norm"], cfg.rms_norm_eps), batch, rope, kv,
-                                    blocks)
-        if layer_blocks is not None:
-            selections[i] = blocks = layer_blocks
-        x = x + o
-        x = x + mlp(lp, cfg, i, rms_norm(x, lp["post_attn_norm"], cfg.rms_norm_eps))
+    for r, run in enumerate(cfg.layer_runs):
+        # The run's pool as one flat page axis: a reshape of contiguous memory, free in and out of the scan.
+        flat = LayerPages(*(None if a is None else a.reshape(-1, *a.shape[2:])
+                            for a in (kv.k[r], kv.v[r], kv.index_k[r])))
+        x, flat, blocks, sel = run_layers(params["runs"][r], cfg, run, x, batch, rope, flat, blocks, kernels,
+                                          unroll)
+        new_kv.k.append(flat.k.reshape(kv.k[r].shape))
+        new_kv.v.append(flat.v.reshape(kv.v[r].shape))
+        new_kv.index_k.append(None if flat.index_k is None else flat.index_k.reshape(kv.index_k[r].shape))
+        if sel is not None:
+            selections.update({i: sel[j] for j, i in enumerate(run.layers)})
 
     x = rms_norm(x[batch.logit_rows], params["final_norm"], cfg.rms_norm_eps)
     logits = jnp.einsum("td,dv->tv", x, params["lm_head"], preferred_element_type=jnp.float32)
-    return ForwardOutput(logits, kv, selections)
+    return ForwardOutput(logits, new_kv, selections)

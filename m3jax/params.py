@@ -4,8 +4,13 @@ The params pytree is nested dicts of arrays. Matrices are stored `[in, out]` (so
 with head axes split out where attention needs them (`wq[D, H, hd]`). The checkpoint loader converts the
 Hugging Face `[out, in]` layout into this one at load time; the serving loop never transposes.
 
+Layers are stacked by run (`M3Config.layer_runs`: consecutive layers of one attention kind and MLP kind):
+`params["runs"][r]` holds run r's weights with a leading layer axis, which the decoder scans over. `layer_view`
+gives one layer's weights as slices of it.
+
 Logical axis names (the sharding rules table in `m3jax/sharding.py` maps them onto mesh axes):
-  vocab, embed, q_heads, kv_heads, head_dim, index_heads, mlp, experts, expert_mlp, norm (never sharded).
+  vocab, embed, q_heads, kv_heads, head_dim, index_heads, mlp, experts, expert_mlp, layers and norm (never
+  sharded).
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from m3jax.config import M3Config
+from m3jax.config import LayerRun, M3Config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,9 +99,14 @@ def layer_specs(cfg: M3Config, i: int) -> dict[str, Any]:
 
 def param_specs(cfg: M3Config) -> dict[str, Any]:
     d, v = cfg.hidden_size, cfg.vocab_size
+
+    def stacked(run: LayerRun) -> dict[str, Any]:
+        return map_specs(lambda s: dataclasses.replace(s, shape=(run.count, *s.shape), axes=("layers", *s.axes)),
+                         layer_specs(cfg, run.start))
+
     return {
         "embed": ParamSpec((v, d), ("vocab", "embed"), "compute", "matrix", 1),
-        "layers": [layer_specs(cfg, i) for i in range(cfg.num_layers)],
+        "runs": [stacked(run) for run in cfg.layer_runs],
         "final_norm": _norm(d),
         "lm_head": _mat((d, v), ("embed", "vocab"), d),
     }
@@ -108,6 +118,12 @@ def is_spec(x: Any) -> bool:
 
 def map_specs(fn: Callable[[ParamSpec], Any], specs: Any) -> Any:
     return jax.tree.map(fn, specs, is_leaf=is_spec)
+
+
+def layer_view(params: dict[str, Any], cfg: M3Config, layer: int) -> dict[str, Any]:
+    """Layer `layer`'s weights (views into its run's stacked arrays), shaped as `layer_specs(cfg, layer)`."""
+    r, j = cfg.run_of(layer)
+    return jax.tree.map(lambda x: x[j], params["runs"][r])
 
 
 def spec_dtype(spec: ParamSpec, dtype: Any) -> np.dtype:

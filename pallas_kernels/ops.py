@@ -1,5 +1,6 @@
-"""The one entry point the model calls for each hot op. Each op family's `dispatch` module picks the
-implementation (Pallas kernel or jnp reference) by backend and shape; callers never import one directly."""
+"""The one entry point the model calls for each hot op. Each op takes `impl`, its family's part of the static
+`pallas_kernels.choice.KernelChoice`; the family's `dispatch` module then picks kernel tiles (or the jnp
+reference where a shape cannot be tiled) from the real shapes. Callers never import a kernel directly."""
 
 from __future__ import annotations
 

@@ -193,26 +193,22 @@ def test_kv_write_equal_scatter():
     np.testing.assert_array_equal(flat_g[slots[real]], np.asarray(new[real].astype(jnp.bfloat16), np.float32))
 
 
-def test_dispatch_env_override(monkeypatch):
-    """M3JAX_ATTENTION_IMPL picks the path; through `dispatch` the kernels equal the references end to end."""
+def test_dispatch_impl():
+    """`impl` picks the path; through `dispatch` the kernels equal the references end to end."""
     rng = np.random.default_rng(6)
-    monkeypatch.setenv(dispatch.IMPL_ENV, "reference")
-    assert dispatch.attention_impl() == "reference"
-    monkeypatch.setenv(dispatch.IMPL_ENV, "bogus")
-    with pytest.raises(ValueError):
-        dispatch.attention_impl()
-    monkeypatch.setenv(dispatch.IMPL_ENV, "interpret")
     iq, ik = _ints(rng, BATCH.num_tokens, K, DI), _ints(rng, NUM_PAGES, PS, DI)
-    blocks = dispatch.paged_select_blocks(iq, ik, *_args(), topk=TOPK, local_blocks=1)
+    with pytest.raises(ValueError, match="resolve the KernelChoice"):
+        dispatch.paged_select_blocks(iq, ik, *_args(), topk=TOPK, local_blocks=1, impl="auto")
+    blocks = dispatch.paged_select_blocks(iq, ik, *_args(), topk=TOPK, local_blocks=1, impl="interpret")
     np.testing.assert_array_equal(
         np.asarray(blocks), np.asarray(msa_ref.paged_select_blocks(iq, ik, *_args(), topk=TOPK, local_blocks=1)))
     q = _normal(rng, BATCH.num_tokens, H, D)
     kp, vp = (_normal(rng, NUM_PAGES, PS, K, D) for _ in range(2))
-    got = dispatch.paged_block_sparse_attention(q, kp, vp, *_args(), blocks, scale=SCALE)
+    got = dispatch.paged_block_sparse_attention(q, kp, vp, *_args(), blocks, scale=SCALE, impl="interpret")
     want = msa_ref.paged_block_sparse_attention(q, kp, vp, *_args(), blocks, scale=SCALE)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
     slots = BATCH.slot_mapping
-    got_kv = dispatch.write_kv_pages(kp, q[:, :K], slots)  # interpret: the Pallas row store at any size
+    got_kv = dispatch.write_kv_pages(kp, q[:, :K], slots, impl="interpret")  # the Pallas row store at any size
     np.testing.assert_array_equal(np.asarray(got_kv.reshape(-1, K, D)[slots[slots != 0]]),
                                   np.asarray(q[:, :K][np.asarray(slots) != 0]))
 
@@ -256,12 +252,11 @@ def test_block_major_work_items_cover_each_selection_once():
 
 
 @pytest.mark.parametrize("selections", ["own", "shared"])
-def test_dispatch_prefill_chunk_picks_block_major_or_union(monkeypatch, selections):
+def test_dispatch_prefill_chunk_picks_block_major_or_union(selections):
     """A prefill-shaped batch (one request, a 40-token chunk after a 200-token prefix: more rows per request than
     decode) goes through `dispatch` to the block-major tiles, which run the KV-block-major kernel when the
     tokens' own selections overlap little and the union query-block kernel when each 4-token block shares one
     selection; either equals the reference end to end."""
-    monkeypatch.setenv(dispatch.IMPL_ENV, "interpret")
     rng = np.random.default_rng(8)
     batch, _ = build_batch([RowPlan([1] * 40, 200, list(range(1, 32)))], PS, 48, 2, 32)
     args = (batch.page_table, batch.token_row, batch.positions)
@@ -269,7 +264,7 @@ def test_dispatch_prefill_chunk_picks_block_major_or_union(monkeypatch, selectio
     tiles = tuning.sparse_tiles(T, batch.page_table.shape[0], TOPK, HG)
     assert tiles.block_major > 0 and tiles.union is not None
     iq, ik = _normal(rng, T, K, DI), _normal(rng, NUM_PAGES, PS, DI)
-    blocks = dispatch.paged_select_blocks(iq, ik, *args, topk=TOPK, local_blocks=1)
+    blocks = dispatch.paged_select_blocks(iq, ik, *args, topk=TOPK, local_blocks=1, impl="interpret")
     visible = np.asarray(batch.positions)[:40] // PS + 1
     assert (visible > TOPK).mean() > 0.5  # most tokens' selections drop blocks: real sparsity
     if selections == "shared":  # each token takes the selection of its query block's first token
@@ -283,6 +278,6 @@ def test_dispatch_prefill_chunk_picks_block_major_or_union(monkeypatch, selectio
         selections == "shared")
     q = _normal(rng, T, H, D)
     kp, vp = (_normal(rng, NUM_PAGES, PS, K, D) for _ in range(2))
-    got = dispatch.paged_block_sparse_attention(q, kp, vp, *args, blocks, scale=SCALE)
+    got = dispatch.paged_block_sparse_attention(q, kp, vp, *args, blocks, scale=SCALE, impl="interpret")
     want = msa_ref.paged_block_sparse_attention(q, kp, vp, *args, blocks, scale=SCALE)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)

@@ -28,7 +28,7 @@ from checkpoints.names import LAYOUTS, hf_view, param_slot, tensor_rules
 from checkpoints.safetensors_io import LazyTensor, SafetensorsFile, write_file
 from checkpoints.shards import INDEX_NAME
 from m3jax.config import M3Config, preset
-from m3jax.params import map_specs, param_specs, random_params, spec_dtype
+from m3jax.params import layer_view, map_specs, param_specs, random_params, spec_dtype
 
 LAYOUT_NAMES = tuple(LAYOUTS)
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -189,7 +189,7 @@ def test_round_trip_bfloat16(tmp_path: Path, cfg: M3Config, params: dict, layout
     want = jax.tree.map(lambda spec, p: p.astype(spec_dtype(spec, "bfloat16")), want, params,
                         is_leaf=lambda x: not isinstance(x, dict | list))
     _assert_tree_equal(got, want)
-    np.testing.assert_array_equal(got["layers"][2]["moe"]["router"], params["layers"][2]["moe"]["router"])
+    np.testing.assert_array_equal(layer_view(got, cfg, 2)["moe"]["router"], layer_view(params, cfg, 2)["moe"]["router"])
 
     _, got32 = load_params(tmp_path, dtype="float32")  # bf16 on disk, fp32 compute
     _assert_tree_equal(got32, jax.tree.map(lambda a: a.astype(np.float32), want))
@@ -356,8 +356,8 @@ def test_mxfp8_checkpoint(tmp_path: Path, cfg: M3Config, layout: str) -> None:
     # Router weight and bias: fp32 on disk, bit-exact.
     for layer in (2, 3):
         for key in ("router", "router_bias"):
-            want = params["layers"][layer]["moe"][key]
-            np.testing.assert_array_equal(got["layers"][layer]["moe"][key], want)
+            want = layer_view(params, cfg_w, layer)["moe"][key]
+            np.testing.assert_array_equal(layer_view(got, cfg_w, layer)["moe"][key], want)
     # Unquantised bf16 tensors: bf16 rounding only.
     np.testing.assert_array_equal(got["embed"], params["embed"].astype(BF16).astype(np.float32))
     # Quantised tensors: within MXFP8 rounding of the original weights: relative 2^-3 (e4m3's step), plus
@@ -380,16 +380,16 @@ def test_mxfp8_checkpoint(tmp_path: Path, cfg: M3Config, layout: str) -> None:
             return dequantize_mxfp8(np.array(a.get(name)), np.array(b.get(scale_info.name)))
 
     d, h, hd = cfg_w.hidden_size, cfg_w.num_heads, cfg_w.head_dim
-    np.testing.assert_array_equal(got["layers"][1]["attn"]["wq"],
+    np.testing.assert_array_equal(layer_view(got, cfg_w, 1)["attn"]["wq"],
                                   stored(quantised[0]).T.reshape(d, h, hd))
     f = cfg_w.moe_intermediate_size
     if released:
-        np.testing.assert_array_equal(got["layers"][2]["moe"]["w_gate"][3], stored(quantised[3]).T)
+        np.testing.assert_array_equal(layer_view(got, cfg_w, 2)["moe"]["w_gate"][3], stored(quantised[3]).T)
     else:
         gate_up = stored(quantised[3])  # [E, 2F, D], gate rows first
-        np.testing.assert_array_equal(got["layers"][2]["moe"]["w_gate"], gate_up[:, :f].transpose(0, 2, 1))
-        np.testing.assert_array_equal(got["layers"][2]["moe"]["w_up"], gate_up[:, f:].transpose(0, 2, 1))
-    np.testing.assert_array_equal(got["layers"][2]["moe"]["shared"]["w_down"], stored(quantised[4]).T)
+        np.testing.assert_array_equal(layer_view(got, cfg_w, 2)["moe"]["w_gate"], gate_up[:, :f].transpose(0, 2, 1))
+        np.testing.assert_array_equal(layer_view(got, cfg_w, 2)["moe"]["w_up"], gate_up[:, f:].transpose(0, 2, 1))
+    np.testing.assert_array_equal(layer_view(got, cfg_w, 2)["moe"]["shared"]["w_down"], stored(quantised[4]).T)
 
 
 # ---- errors ----------------------------------------------------------------------------------------------

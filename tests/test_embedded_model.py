@@ -14,6 +14,7 @@ from tokenizers import Tokenizer
 
 from m3jax import load_model
 from m3jax.api import M3Model, embedded_model_path
+from m3jax.params import layer_view
 
 TINY = embedded_model_path()
 
@@ -69,7 +70,7 @@ def test_config_is_m3_in_miniature(model: M3Model, tokenizer: Tokenizer) -> None
     # The routing bias was trained by load balancing, so it is not zero.
     for i, kind in enumerate(cfg.mlp_types):
         if kind == "moe":
-            assert np.abs(np.asarray(model.params["layers"][i]["moe"]["router_bias"])).max() > 0
+            assert np.abs(np.asarray(layer_view(model.params, cfg, i)["moe"]["router_bias"])).max() > 0
 
 
 def test_held_out_loss_is_well_below_uniform(model: M3Model, tokenizer: Tokenizer) -> None:

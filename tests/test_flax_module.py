@@ -22,5 +22,5 @@ def test_nnx_module_equals_pure_forward():
     batch.logit_rows = jnp.arange(40, dtype=jnp.int32)
     got = nnx.jit(lambda m, kv, b: m(kv, b).logits)(module, KVPages.empty(cfg, 4, jnp.float32), batch)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
-    assert ("embed", "q_heads", "head_dim") in module.logical_axes()
+    assert ("layers", "embed", "q_heads", "head_dim") in module.logical_axes()
     assert sum(x.size for x in jax.tree.leaves(nnx.state(module, nnx.Param))) == cfg.param_count()

@@ -13,8 +13,9 @@ import pytest
 
 from checkpoints.prepare import prepare_moe, prepare_params
 from m3jax.config import preset
-from m3jax.params import random_params
+from m3jax.params import layer_view, random_params
 from pallas_kernels import mx
+from pallas_kernels.choice import KernelChoice
 from pallas_kernels.moe import dispatch, kernel, layout, reference
 from pallas_kernels.moe.tiles import GPU_TABLE, INTERPRET_TILES, KernelTiles, MoeTiles, fit_tiles, pick_tiles
 
@@ -413,7 +414,7 @@ def test_unprepared_params_read_in_place() -> None:
 
 
 @pytest.mark.parametrize("fmt", ["mxfp8", "mxfp4"])
-def test_dispatch_override_and_model_params(monkeypatch: pytest.MonkeyPatch, fmt: str) -> None:
+def test_dispatch_override_and_model_params(fmt: str) -> None:
     # m3-tiny with MX-packable widths (D, F multiples of 128); its shared expert (48 wide) stays a dense MLP.
     cfg = dataclasses.replace(preset("m3-tiny"), hidden_size=128, moe_intermediate_size=128)
     with pytest.raises(ValueError, match="multiples of 128"):
@@ -421,34 +422,36 @@ def test_dispatch_override_and_model_params(monkeypatch: pytest.MonkeyPatch, fmt
     params = jax.tree.map(jnp.asarray, random_params(cfg, seed=1))
     prepared = prepare_params(params, fmt)
     layer = next(i for i, t in enumerate(cfg.mlp_types) if t == "moe")
-    p = prepared["layers"][layer]["moe"]
+    p = layer_view(prepared, cfg, layer)["moe"]
     assert layout.weight_format(p["experts"]) == fmt
     assert layout.weight_arrays(p["experts"], "gate")[0].dtype == jnp.uint16
     assert "w_gate" in p and not layout.has_shared_slot(p)  # m3-tiny's shared expert is wider than a routed one
     h = jnp.asarray(np.random.default_rng(0).normal(size=(9, cfg.hidden_size)).astype(np.float32))
     kw = {"top_k": cfg.num_experts_per_tok, "routed_scaling": cfg.routed_scaling_factor,
           "alpha": cfg.swiglu_alpha, "limit": cfg.swiglu_limit}
-    monkeypatch.setenv("M3JAX_MOE_IMPL", "reference")
-    want = dispatch.moe(h, {k: v for k, v in p.items() if k != "experts"}, **kw)
-    deq = dispatch.moe(h, layout.reference_params(p, jnp.float32), **kw)
+    want = dispatch.moe(h, {k: v for k, v in p.items() if k != "experts"}, **kw, impl="reference")
+    deq = dispatch.moe(h, layout.reference_params(p, jnp.float32), **kw, impl="reference")
     # Prepared-only params: the reference dequantises them.
-    slim = prepare_params(params, fmt, keep_reference=False)["layers"][layer]["moe"]
+    slim = layer_view(prepare_params(params, fmt, keep_reference=False), cfg, layer)["moe"]
     assert "w_gate" not in slim and "shared" in slim
-    np.testing.assert_allclose(np.asarray(dispatch.moe(h, slim, **kw)), np.asarray(deq), rtol=1e-6, atol=1e-6)
-    monkeypatch.setenv("M3JAX_MOE_IMPL", "interpret")
-    got = dispatch.moe(h, p, **kw)
+    np.testing.assert_allclose(np.asarray(dispatch.moe(h, slim, **kw, impl="reference")), np.asarray(deq),
+                               rtol=1e-6, atol=1e-6)
+    got = dispatch.moe(h, p, **kw, impl="interpret")
     np.testing.assert_allclose(np.asarray(got), np.asarray(deq), rtol=1e-5, atol=1e-5)
     # MX weights move the output by a bounded fraction of its size (MXFP4's 3 bits of magnitude: more).
     assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < (0.1 if fmt == "mxfp8" else 0.3)
-    monkeypatch.setenv("M3JAX_MOE_IMPL", "bogus")
-    with pytest.raises(ValueError, match="M3JAX_MOE_IMPL"):
-        dispatch.moe(h, p, **kw)
+    with pytest.raises(ValueError, match="resolve the KernelChoice"):
+        dispatch.moe(h, p, **kw, impl="auto")
 
 
-def test_dispatch_defaults_to_reference_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("M3JAX_MOE_IMPL", raising=False)
-    gpu = jax.default_backend() == "gpu" and jax.device_count() == 1
-    assert dispatch.moe_impl() == ("pallas" if gpu else "reference")
+def test_kernel_choice_resolves_by_backend_and_device_count() -> None:
+    gpu = jax.default_backend() == "gpu"
+    assert KernelChoice("auto", "auto").resolve(1) == KernelChoice("pallas" if gpu else "reference",
+                                                                    "pallas" if gpu else "reference")
+    assert KernelChoice("auto", "auto").resolve(4).moe == "reference"  # no shard_map around the MoE kernels yet
+    assert KernelChoice("interpret", "auto").resolve(1).attention == "interpret"
+    with pytest.raises(ValueError, match="not one of"):
+        KernelChoice("bogus")
 
 
 def test_tile_table_covers_m3() -> None:

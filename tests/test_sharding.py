@@ -28,12 +28,13 @@ def test_tensor_parallel_equals_tp1(setup, tp, ep):
     host, toks, ref = setup
     rules = make_rules(tp, expert_parallel=ep)
     params = shard_params(host, CFG, rules)
-    wq = params["layers"][0]["attn"]["wq"]
-    assert len(wq.sharding.device_set) == tp and wq.addressable_shards[0].data.shape[1] == CFG.num_heads // tp
-    experts = params["layers"][2]["moe"]["w_gate"]
+    wq = params["runs"][0]["attn"]["wq"]
+    assert len(wq.sharding.device_set) == tp and wq.addressable_shards[0].data.shape[2] == CFG.num_heads // tp
+    experts = params["runs"][CFG.run_of(2)[0]]["moe"]["w_gate"]
     shard_shape = experts.addressable_shards[0].data.shape
-    assert shard_shape == ((CFG.num_experts // tp, CFG.hidden_size, CFG.moe_intermediate_size) if ep
-                           else (CFG.num_experts, CFG.hidden_size, CFG.moe_intermediate_size // tp))
+    n = CFG.layer_runs[CFG.run_of(2)[0]].count  # the run's stacked layers
+    assert shard_shape == ((n, CFG.num_experts // tp, CFG.hidden_size, CFG.moe_intermediate_size) if ep
+                           else (n, CFG.num_experts, CFG.hidden_size, CFG.moe_intermediate_size // tp))
     got = M3Model.create(CFG, host, tensor_parallel_size=tp, expert_parallel=ep).logits(toks)
     np.testing.assert_allclose(got, ref, rtol=2e-5, atol=2e-5 * np.abs(ref).max())
 

@@ -1,11 +1,11 @@
 """Attention implementation choice (dense ragged paged attention; MSA index + top-k; block-sparse attention).
 
-The one place that picks kernel vs reference for the attention family:
-- GPU backend (`jax.default_backend() == "gpu"`): the Pallas kernels (Triton lowering), tiles from
-  `tuning.py` keyed by the real shapes (rows per request: decode vs prefill; page-table width; head dims);
-- anything else: the jnp references (the definitions);
-- `M3JAX_ATTENTION_IMPL=reference|pallas|interpret` overrides both (interpret = the kernels through Pallas'
-  interpreter, how CI checks them on the CPU). Read at trace time: set it before the first jit of a shape.
+The one place that picks kernel vs reference for the attention family. Each op takes `impl`, the attention part
+of a resolved `pallas_kernels.choice.KernelChoice` (a static value of the forward):
+- "pallas": the Pallas kernels (Triton lowering), tiles from `tuning.py` keyed by the real shapes (rows per
+  request: decode vs prefill; page-table width; head dims);
+- "interpret": the same kernels through Pallas' interpreter (how CI checks them on the CPU);
+- "reference": the jnp references (the definitions).
 
 Shapes the Triton lowering cannot tile (a dim that is not a power of two) fall back to the reference on GPU.
 KV writes (`write_kv_pages`): decided by measurement on the H200 against the XLA scatter that
@@ -16,41 +16,28 @@ the choice is by row count (`tuning.KV_WRITE_PALLAS_MIN_ROWS`). See docs/benchma
 
 from __future__ import annotations
 
-import os
-
 import jax
 
 from pallas_kernels.attention import kernel as _kernel
 from pallas_kernels.attention import reference as _ref
 from pallas_kernels.attention import tuning
 from pallas_kernels.attention.kv_write import write_pages_pallas, write_pages_xla
+from pallas_kernels.choice import IMPLS
 from pallas_kernels.msa import kernel as _msa_kernel
 from pallas_kernels.msa import reference as _msa_ref
 
-__all__ = ["paged_dense_attention", "paged_select_blocks", "paged_block_sparse_attention", "write_kv_pages",
-           "attention_impl"]
+__all__ = ["paged_dense_attention", "paged_select_blocks", "paged_block_sparse_attention", "write_kv_pages"]
 
-IMPL_ENV = "M3JAX_ATTENTION_IMPL"
-IMPLS = ("reference", "pallas", "interpret")
-
-
-def attention_impl() -> str:
-    """'reference', 'pallas' (compiled kernels) or 'interpret' (kernels in Pallas' interpreter)."""
-    impl = os.environ.get(IMPL_ENV, "").strip().lower()
-    if impl:
-        if impl not in IMPLS:
-            raise ValueError(f"{IMPL_ENV}={impl!r}: expected one of {IMPLS}")
-        return impl
-    return "pallas" if jax.default_backend() == "gpu" else "reference"
 
 
 def _pow2(*dims: int) -> bool:
     return all(d > 0 and d & (d - 1) == 0 for d in dims)
 
 
-def _kernel_mode(*pow2_dims: int) -> tuple[bool, bool]:
+def _kernel_mode(impl: str, *pow2_dims: int) -> tuple[bool, bool]:
     """(use the kernel, interpret). Compiled Triton tiles need power-of-two dims; interpret mode takes any."""
-    impl = attention_impl()
+    if impl not in IMPLS:
+        raise ValueError(f"attention impl {impl!r}: expected one of {IMPLS} (resolve the KernelChoice first)")
     if impl == "reference":
         return False, False
     if impl == "interpret":
@@ -59,10 +46,10 @@ def _kernel_mode(*pow2_dims: int) -> tuple[bool, bool]:
 
 
 def paged_dense_attention(q_THD: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table_RN: jax.Array,
-                          token_row_T: jax.Array, pos_T: jax.Array, scale: float) -> jax.Array:
+                          token_row_T: jax.Array, pos_T: jax.Array, scale: float, *, impl: str) -> jax.Array:
     T, H, D = q_THD.shape
     _, ps, K, _ = k_pages.shape
-    use, interpret = _kernel_mode(ps, D, H // K)
+    use, interpret = _kernel_mode(impl, ps, D, H // K)
     if not use:
         return _ref.paged_dense_attention(q_THD, k_pages, v_pages, page_table_RN, token_row_T, pos_T, scale)
     R, P = page_table_RN.shape
@@ -72,12 +59,13 @@ def paged_dense_attention(q_THD: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
 
 
 def paged_select_blocks(iq_TGD: jax.Array, ik_pages: jax.Array, page_table_RN: jax.Array, token_row_T: jax.Array,
-                        pos_T: jax.Array, *, topk: int, local_blocks: int, init_blocks: int = 0) -> jax.Array:
+                        pos_T: jax.Array, *, topk: int, local_blocks: int, init_blocks: int = 0,
+                        impl: str) -> jax.Array:
     T, G, Di = iq_TGD.shape
     ps = ik_pages.shape[1]
     R, P = page_table_RN.shape
     tiles = tuning.index_tiles(T, R, P, G)
-    use, interpret = _kernel_mode(ps, Di, G * tiles.bt)
+    use, interpret = _kernel_mode(impl, ps, Di, G * tiles.bt)
     if not use:
         return _msa_ref.paged_select_blocks(iq_TGD, ik_pages, page_table_RN, token_row_T, pos_T, topk=topk,
                                             local_blocks=local_blocks, init_blocks=init_blocks)
@@ -88,13 +76,13 @@ def paged_select_blocks(iq_TGD: jax.Array, ik_pages: jax.Array, page_table_RN: j
 
 def paged_block_sparse_attention(q_THD: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                                  page_table_RN: jax.Array, token_row_T: jax.Array, pos_T: jax.Array,
-                                 blocks_TGN: jax.Array, *, scale: float) -> jax.Array:
+                                 blocks_TGN: jax.Array, *, scale: float, impl: str) -> jax.Array:
     T, H, D = q_THD.shape
     _, ps, K, _ = k_pages.shape
     R, _ = page_table_RN.shape
     tiles = tuning.sparse_tiles(T, R, blocks_TGN.shape[-1], H // K)
     # A query block of several tokens loads their selections as a [bt, topk] tile: topk must be a power of 2.
-    use, interpret = _kernel_mode(ps, D, H // K, *((blocks_TGN.shape[-1],) if tiles.bt > 1 else ()))
+    use, interpret = _kernel_mode(impl, ps, D, H // K, *((blocks_TGN.shape[-1],) if tiles.bt > 1 else ()))
     if not use:
         return _msa_ref.paged_block_sparse_attention(q_THD, k_pages, v_pages, page_table_RN, token_row_T, pos_T,
                                                      blocks_TGN, scale=scale)
@@ -102,12 +90,12 @@ def paged_block_sparse_attention(q_THD: jax.Array, k_pages: jax.Array, v_pages: 
                                                     blocks_TGN, scale=scale, tiles=tiles, interpret=interpret)
 
 
-def write_kv_pages(pages: jax.Array, new_T: jax.Array, slot_T: jax.Array) -> jax.Array:
+def write_kv_pages(pages: jax.Array, new_T: jax.Array, slot_T: jax.Array, *, impl: str) -> jax.Array:
     """K / V / index-K rows into their slots (pages donated under jit: in place either way)."""
     feature = 1
     for d in pages.shape[2:]:
         feature *= d
-    use, interpret = _kernel_mode(feature)
+    use, interpret = _kernel_mode(impl, feature)
     if not use or (not interpret and new_T.shape[0] < tuning.KV_WRITE_PALLAS_MIN_ROWS):
         return write_pages_xla(pages, new_T, slot_T)
     return write_pages_pallas(pages, new_T, slot_T, interpret=interpret)

@@ -1,0 +1,50 @@
+"""Which implementation each hot-op family runs: a static value handed to the forward, never read while tracing.
+
+`KernelChoice(attention=..., moe=...)` is frozen and hashable, so it is part of a jitted step's static arguments
+(and of the key of a serialized executable): two engines in one process can run different kernels, and changing
+an environment variable after start-up changes nothing. `resolve` turns "auto" into the concrete choice for the
+backend and device count; `m3jax.settings` reads the environment defaults (M3JAX_ATTENTION_IMPL,
+M3JAX_MOE_IMPL) once, when a configuration is built.
+
+- "pallas": the compiled Pallas kernels (Triton lowering): what a GPU runs.
+- "interpret": the same kernels through Pallas' interpreter: how CI checks them on the CPU.
+- "reference": the plain-jnp definitions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+IMPLS = ("reference", "pallas", "interpret")
+CHOICES = ("auto", *IMPLS)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelChoice:
+    attention: str = "reference"  # ragged paged attention, MSA index + top-k, block-sparse attention, KV writes
+    moe: str = "reference"  # the fused MoE grouped GEMMs
+
+    def __post_init__(self) -> None:
+        for family in ("attention", "moe"):
+            value = getattr(self, family)
+            if value not in CHOICES:
+                raise ValueError(f"kernel choice for {family}: {value!r} is not one of {CHOICES}")
+
+    def resolve(self, device_count: int = 1) -> KernelChoice:
+        """'auto' -> the Pallas kernels on a GPU, the references elsewhere. The MoE kernels run on one device only
+        (their pallas_call has no shard_map yet: under TP / EP sharding XLA would gather every expert's weights
+        onto each device before the kernel)."""
+        gpu = jax.default_backend() == "gpu"
+        attention = self.attention if self.attention != "auto" else "pallas" if gpu else "reference"
+        moe = self.moe if self.moe != "auto" else "pallas" if gpu and device_count == 1 else "reference"
+        return KernelChoice(attention, moe)
+
+    @property
+    def resolved(self) -> bool:
+        return "auto" not in (self.attention, self.moe)
+
+
+REFERENCE = KernelChoice()
+INTERPRET = KernelChoice("interpret", "interpret")

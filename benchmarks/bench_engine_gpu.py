@@ -39,8 +39,8 @@ def main() -> None:
     llm = LLM(model=args.model, dtype="bfloat16", max_model_len=args.prompt_len + args.output_len + 128,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, progress=False)
     startup_s = time.perf_counter() - t0
-    eng = llm.engine
-    print(f"start-up {startup_s:.1f}s ({len(eng.runner.bucket_shapes())} buckets, warm-up {eng.warmup_seconds:.1f}s)",
+    eng = llm.core
+    print(f"start-up {startup_s:.1f}s ({eng.num_executables} executables, warm-up {eng.warmup_seconds:.1f}s)",
           flush=True)
     rng = np.random.default_rng(0)
     vocab = eng.model.cfg.vocab_size
@@ -61,11 +61,11 @@ def main() -> None:
                                                             capture_output=True, text=True).stdout.strip()
     result = {"op": "engine_generate", "model": args.model, "device": jax.devices()[0].device_kind,
               "git_rev": rev, "startup_s": startup_s, "warmup_s": eng.warmup_seconds,
-              "buckets": len(eng.runner.bucket_shapes()), "requests": args.requests,
+              "buckets": eng.num_executables, "requests": args.requests,
               "prompt_tokens": sum(map(len, prompts)), "output_tokens": n_out, "batch_s": batch_s,
               "output_tok_per_s": n_out / batch_s, "steps": steps, "mean_step_s": batch_s / max(steps, 1),
               "alone_equal": same, "pages_in_use_after": eng.pages_in_use,
-              "no_new_compiles": eng.runner._step._cache_size() == eng.runner.num_compiled}
+              "no_new_compiles": eng.num_executables == len(eng.runner.token_buckets)}
     print(json.dumps(result), flush=True)
     out = Path(args.out or f"benchmarks/results/engine-{result['device'].replace(' ', '_')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -10,64 +10,55 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
+
+_ENGINE_GROUPS = ("model", "engine", "kernels")
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from tokenizers import Tokenizer
-
-    from m3jax.api import load_model
+    from m3jax.settings import Settings
+    from serving import LLM, SamplingParams
 
     t0 = time.perf_counter()
-    model = load_model(args.model, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size)
-    tok_path = model.path / "tokenizer.json" if model.path else None
-    tokenizer = Tokenizer.from_file(str(tok_path)) if tok_path and tok_path.exists() else None
+    settings = Settings.from_args(args)
+    llm = LLM(**{f: getattr(settings, f) for f in Settings.field_names(_ENGINE_GROUPS)})
     if args.prompt_ids is not None:
-        ids = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
-    elif tokenizer is None:
-        print(f"error: {model.path} has no tokenizer.json; pass --prompt-ids 1,2,3", file=sys.stderr)
+        prompt: str | list[int] = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
+    elif llm.tokenizer is None:
+        print(f"error: {settings.model} has no tokenizer.json; pass --prompt-ids 1,2,3", file=sys.stderr)
         return 2
     else:
-        ids = tokenizer.encode(args.prompt, add_special_tokens=False).ids
-    if not ids:
-        print("error: the prompt is empty", file=sys.stderr)
-        return 2
-    print(f"[m3jax] loaded {model.path} in {time.perf_counter() - t0:.1f}s; prompt {len(ids)} tokens",
+        prompt = args.prompt
+    print(f"[m3jax] loaded {settings.model or 'the embedded model'} in {time.perf_counter() - t0:.1f}s",
           file=sys.stderr)
-    out: list[int] = []
-    printed = ""
     t1 = time.perf_counter()
-    sys.stdout.write(args.prompt if tokenizer is not None and args.prompt_ids is None else "")
-    for tok in model.generate_greedy(ids, args.max_tokens, stop_ids=model.cfg.eos_token_ids):
-        out.append(tok)
-        if tokenizer is None:
-            sys.stdout.write(f"{tok} ")
-        else:
-            # Decode the whole continuation and print the new suffix: never splits a multi-byte character.
-            text = tokenizer.decode(out, skip_special_tokens=True)
-            if not text.endswith("\ufffd"):
-                sys.stdout.write(text[len(printed):])
-                printed = text
+    n = 0
+    sys.stdout.write(args.prompt if isinstance(prompt, str) else "")
+    for out in llm.stream(prompt, SamplingParams(temperature=0.0, max_tokens=args.max_tokens)):
+        n += len(out.delta_token_ids)
+        sys.stdout.write(out.delta_text if llm.tokenizer is not None else "".join(f"{t} " for t in
+                                                                                   out.delta_token_ids))
         sys.stdout.flush()
     sys.stdout.write("\n")
     dt = time.perf_counter() - t1
-    print(f"[m3jax] {len(out)} tokens in {dt:.2f}s ({len(out) / max(dt, 1e-9):.1f} tok/s, first includes "
-          f"compilation)", file=sys.stderr)
+    print(f"[m3jax] {n} tokens in {dt:.2f}s ({n / max(dt, 1e-9):.1f} tok/s, first includes compilation)",
+          file=sys.stderr)
+    llm.shutdown()
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from m3jax.settings import add_arguments
+
     p = argparse.ArgumentParser(prog="m3jax", description="MiniMax M3 in JAX")
     sub = p.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", help="greedy decoding of one prompt")
-    g.add_argument("--model", type=Path, default=None,
-                   help="checkpoint directory (Hugging Face layout); default: the embedded tiny model")
-    g.add_argument("--prompt", default="def fibonacci(n):")
+    g = sub.add_parser("generate", help="greedy decoding of one prompt",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g.add_argument("--prompt", default="def fibonacci(n):", help="text to continue")
     g.add_argument("--prompt-ids", default=None, help="comma-separated token ids instead of --prompt")
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    g.add_argument("--tensor-parallel-size", type=int, default=1)
-    g.set_defaults(func=_generate)
+    g.add_argument("--max-tokens", type=int, default=64, help="tokens to generate")
+    add_arguments(g, _ENGINE_GROUPS)
+    # One prompt: compile only the step shapes it uses rather than every shape up front.
+    g.set_defaults(func=_generate, warmup=False)
 
     from serving import bench, server
 

@@ -1,28 +1,34 @@
 """The Python API, in the style operators know from vLLM: `LLM(model=...)`, `llm.generate(prompts, params)`,
-`llm.chat(messages, params)`, `llm.stream(prompt, params)`."""
+`llm.chat(messages, params)`, `llm.stream(prompt, params)`.
+
+`LLM(**kwargs)` takes the fields of `m3jax.settings.Settings` (model, engine and kernel settings) by name. It is
+a client of an `EngineCore` whose own thread does all the stepping, so `generate` from one thread and
+`async_engine()` from another can run at once.
+"""
 
 from __future__ import annotations
 
+import queue
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from serving.engine import AsyncEngine, Engine, EngineConfig, Prompt
+from m3jax.settings import ENGINE, KERNELS, MODEL, Settings
+from serving.core import EngineCore, Prompt
+from serving.engine import AsyncEngine
 from serving.outputs import RequestOutput, SamplingParams
 
 Message = Mapping[str, Any]
 
 
 class LLM:
-    """An M3 model with a serving engine behind it, driven from the calling thread."""
+    """An M3 model with a serving engine behind it."""
 
-    def __init__(self, model: str | None = None, dtype: str = "bfloat16", tensor_parallel_size: int = 1,
-                 max_model_len: int | None = None, kv_cache_pages: int | None = None,
-                 max_num_seqs: int = 16, max_num_batched_tokens: int = 256, **kwargs: Any):
-        self.engine = Engine(EngineConfig(
-            model=None if model is None else str(model), dtype=dtype, tensor_parallel_size=tensor_parallel_size,
-            max_model_len=max_model_len, kv_cache_pages=kv_cache_pages, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, **kwargs))
-        self.tokenizer = self.engine.tokenizer
+    def __init__(self, model: str | None = None, **settings: Any):
+        self.settings = Settings.from_kwargs((MODEL, ENGINE, KERNELS), model=None if model is None else str(model),
+                                             **settings)
+        self.core = EngineCore(self.settings)
+        self.core.start()
+        self.tokenizer = self.core.tokenizer
 
     def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None
                  = None, use_tqdm: bool = True) -> list[RequestOutput]:
@@ -40,13 +46,13 @@ class LLM:
             per_prompt = list(params)
         else:
             per_prompt = [params] * len(prompts)
-        tracked = []
+        prepared = []
         for i, (prompt, p) in enumerate(zip(prompts, per_prompt, strict=True)):
             try:
-                tracked.append(self.engine.prepare(prompt, p))
+                prepared.append(self.core.prepare(prompt, p))
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from e
-        return self._run(tracked, use_tqdm)
+        return self._run(prepared, use_tqdm)
 
     def chat(self, messages: Sequence[Message] | Sequence[Sequence[Message]],
              params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
@@ -60,37 +66,52 @@ class LLM:
         return self.generate(prompts, params, use_tqdm)
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[RequestOutput]:
-        """Yield a RequestOutput per generated token (`delta_text` is the new text); the last one is finished."""
-        tracked = self.engine.prepare(prompt, params)
-        rid = self.engine.submit(tracked)
+        """Yield a RequestOutput per generated token (`delta_text` is the new text); the last one is finished.
+        Leaving the loop early aborts the request."""
+        req, text = self.core.prepare(prompt, params)
+        updates: queue.Queue[RequestOutput] = queue.Queue()
+        rid = self.core.submit(req, text, sink=updates.put)
         done = False
         try:
             while not done:
-                for out in self.engine.step():
-                    if out.request_id == rid:
-                        if out.error is not None:
-                            raise (ValueError if out.rejected else RuntimeError)(out.error)
-                        done = out.finished
-                        yield out
+                out = updates.get()
+                if out.error is not None:
+                    done = True
+                    raise (ValueError if out.rejected else RuntimeError)(out.error)
+                done = out.finished
+                yield out
         finally:
             if not done:
-                self.engine.abort(rid)
-                while self.engine.has_work():
-                    self.engine.step()
+                self.core.abort(rid)
 
-    def _run(self, tracked: list, use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, prepared: list, use_tqdm: bool) -> list[RequestOutput]:
         from tqdm.auto import tqdm
 
-        ids = [self.engine.submit(t) for t in tracked]
+        finished: queue.Queue[RequestOutput] = queue.Queue()
+
+        def sink(out: RequestOutput) -> None:
+            if out.finished:
+                finished.put(out)
+
+        ids = [self.core.submit(req, text, sink) for req, text in prepared]
         results: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), desc="generating", unit="req", disable=not use_tqdm or len(ids) < 2) as bar:
             while len(results) < len(ids):
-                for out in self.engine.step():
-                    if out.finished and out.request_id not in results:
-                        results[out.request_id] = out
-                        bar.update(1)
+                out = finished.get()
+                results[out.request_id] = out
+                bar.update(1)
         return [results[i] for i in ids]
 
     def async_engine(self) -> AsyncEngine:
-        """The asyncio interface over this LLM's engine (starts the background step loop)."""
-        return AsyncEngine(self.engine)
+        """The asyncio interface over this LLM's engine core (same core, same thread)."""
+        return AsyncEngine(self.core)
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Finish in-flight requests (up to `timeout` seconds) and stop the core's thread."""
+        self.core.shutdown(timeout)
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

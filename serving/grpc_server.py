@@ -16,7 +16,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from serving.engine import Prompt
+from serving.core import Prompt
 from serving.outputs import RequestOutput, SamplingParams
 from serving.proto import m3jax_pb2 as pb
 from serving.proto import m3jax_pb2_grpc as pb_grpc

@@ -25,7 +25,7 @@ from typing import Any
 
 from aiohttp import web
 
-from serving.engine import Prompt
+from serving.core import Prompt
 from serving.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from serving.outputs import Logprob, RequestOutput, SamplingParams
 from serving.server import Overloaded, RequestStream, ServingCore, ShuttingDown

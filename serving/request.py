@@ -1,4 +1,9 @@
-"""Request state as the scheduler sees it: plain Python, no JAX."""
+"""Request state as the engine core sees it: plain Python, no JAX.
+
+With async scheduling the core schedules step N+1 before step N's tokens reach the host: a token sampled by a
+step still in flight is a *placeholder*, counted in `num_tokens` but not yet in `output_ids`. The executor feeds
+a placeholder to the model straight from the previous step's device output, so the host never waits for it.
+"""
 
 from __future__ import annotations
 
@@ -21,6 +26,9 @@ class FinishReason(enum.StrEnum):
     ERROR = "error"  # the request could not be served (the message says why)
 
 
+PLACEHOLDER = -1  # a token id the host does not know yet: sampled by the step in flight
+
+
 @dataclasses.dataclass
 class Request:
     request_id: str
@@ -29,27 +37,48 @@ class Request:
     stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
     eos_token_ids: frozenset[int] = frozenset()
-    sampling: Any = None  # serving.api.SamplingParams, opaque to the scheduler
+    sampling: Any = None  # serving.outputs.SamplingParams, opaque to the scheduler
+    # Text state (serving.stopping.TextState): detokeniser and stop strings; None for id-only models.
+    text: Any = None
     arrival: float = dataclasses.field(default_factory=time.monotonic)
 
     output_ids: list[int] = dataclasses.field(default_factory=list)
+    num_placeholders: int = 0  # tokens sampled by steps still in flight
     status: Status = Status.WAITING
-    # Tokens whose K/V (and index-K) are in this request's pages. Reset to 0 on preemption: the request is
-    # recomputed from prompt + output so far, which gives the same state and, greedy or seeded, the same output.
+    # Tokens whose K/V (and index-K) are in this request's pages or are being written by a scheduled step.
+    # Reset to 0 on preemption: the request is recomputed from prompt + output so far, which gives the same state
+    # and, greedy or seeded, the same output.
     num_computed: int = 0
     pages: list[int] = dataclasses.field(default_factory=list)
+    # Per-running-request slot (0 .. max_num_seqs - 1) of device-side state such as the penalty history.
+    slot: int = -1
     finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     error: str | None = None
     num_preemptions: int = 0
     first_token_time: float | None = None
+    # Unique per admission (client request ids may be reused once a request ends): what steps in flight and
+    # their results are keyed by, so a late result never lands on a newer request of the same id.
+    seq: int = -1
 
     @property
-    def all_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
+    def num_prompt(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_output(self) -> int:
+        """Generated tokens, placeholders included."""
+        return len(self.output_ids) + self.num_placeholders
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        """Prompt plus generated tokens, placeholders included."""
+        return len(self.prompt_ids) + self.num_output
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens at positions start .. end - 1, PLACEHOLDER where the host does not know them yet."""
+        known = self.prompt_ids + self.output_ids
+        return known[start:end] + [PLACEHOLDER] * max(0, end - max(start, len(known)))
 
     @property
     def finished(self) -> bool:

@@ -1,8 +1,19 @@
-"""The only code that builds device arrays and calls the jitted step.
+"""The model executor: the only code that builds device arrays and calls the compiled step.
 
-A `StepPlan` becomes a padded `Batch` (token-count and row-count buckets keep shapes static), sampling
-parameters become `SamplingTensors`, and one jitted call runs forward + sampling with the page pool donated.
-Only token ids and logprobs come back to the host.
+A `SchedulerOutput` becomes a padded `Batch`; sampling parameters become `SamplingTensors`; one compiled call
+runs forward + sampling with the page pool, the penalty history and the previous step's tokens donated. Only
+token ids (and logprobs when asked) come back to the host, as a `ModelRunnerOutput`.
+
+Shapes: one executable per token bucket. The token count of a step is padded to the next bucket (powers of
+two from 8 up to `max_num_batched_tokens`) and its rows to min(bucket, max_num_seqs), the most rows that many
+tokens can hold, so the row count never multiplies the executables. The page table is always
+`max_model_len / page_size` wide (attention shapes never depend on the rest of the batch), and the penalty
+history is a fixed device table, so nothing a request asks for makes a new shape: after `warmup` the engine
+never compiles.
+
+Async hand-off: `launch` dispatches a step and returns at once; `collect` waits for its tokens. A token the
+previous step samples is a placeholder in the next step's rows; the compiled step reads it from that step's
+device output (`prev_tokens`), so step N+1 is dispatched before step N's tokens reach the host.
 """
 
 from __future__ import annotations
@@ -10,124 +21,213 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from m3jax.api import M3Model
 from m3jax.batch import Batch, KVPages, RowPlan, build_batch
 from m3jax.model import forward
+from pallas_kernels.choice import KernelChoice
+from serving.executables import ExecutableCache
 from serving.outputs import MAX_LOGPROBS
-from serving.sampling import SampleOutput, SamplingTensors, sample
-from serving.scheduler import StepPlan
+from serving.request import PLACEHOLDER
+from serving.sampling import (
+    HistoryRows,
+    PenaltyHistory,
+    SampleOutput,
+    SamplingTensors,
+    record_history,
+    sample,
+    uses_penalty,
+)
+from serving.scheduler import ModelRunnerOutput, SchedulerOutput
 
 log = logging.getLogger(__name__)
 
 
-def powers_of_two(lo: int, hi: int) -> list[int]:
-    """lo, 2lo, 4lo, ... and hi itself: the bucket sizes for a range."""
-    out, b = [], lo
-    while b < hi:
+def token_buckets(max_num_batched_tokens: int, smallest: int = 8) -> list[int]:
+    """smallest, 2 * smallest, ... and max_num_batched_tokens itself: the token counts a step is padded to."""
+    out, b = [], min(smallest, max_num_batched_tokens)
+    while b < max_num_batched_tokens:
         out.append(b)
         b *= 2
-    return [*out, hi]
+    return [*out, max_num_batched_tokens]
 
 
-def enable_compilation_cache(path: str | os.PathLike[str] | None = None) -> Path:
-    """Keep compiled executables on disk so a restart does not recompile (JAX's persistent cache)."""
-    cache = Path(path or os.environ.get("M3JAX_COMPILATION_CACHE") or Path.home() / ".cache" / "m3jax" / "xla")
-    cache.mkdir(parents=True, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", str(cache))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    return cache
+class StepFailed(RuntimeError):
+    """A step raised on the device or at dispatch. The executor has already rebuilt its state (a donated pool is
+    gone); every request with pages must be failed, since its KV is lost."""
 
 
 @dataclasses.dataclass
-class SampledToken:
-    token_id: int
-    logprob: float
-    top: dict[int, float]
+class InFlight:
+    """A dispatched step: its outputs are device arrays until `collect`."""
+
+    scheduled: SchedulerOutput
+    seqs: list[int]  # Request.seq of each sampled row, in row order
+    out: SampleOutput
+    want_logprobs: bool
 
 
-def _step(params: Any, kv: KVPages, batch: Batch, sampling: SamplingTensors, *, cfg: Any,
-          max_logprobs: int) -> tuple[KVPages, SampleOutput]:
-    out = forward(params, cfg, kv, batch)
-    return out.kv, sample(out.logits, sampling, max_logprobs)
+def _step(params: Any, kv: KVPages, history: PenaltyHistory, prev_tokens: jax.Array, batch: Batch,
+          prev_index: jax.Array, history_rows: HistoryRows, sampling: SamplingTensors, *, cfg: Any,
+          kernels: KernelChoice, max_logprobs: int
+          ) -> tuple[KVPages, PenaltyHistory, jax.Array, SampleOutput]:
+    # Placeholders: tokens the previous step sampled, taken from its device output.
+    token_ids = jnp.where(prev_index >= 0, prev_tokens[jnp.maximum(prev_index, 0)], batch.token_ids)
+    batch = dataclasses.replace(batch, token_ids=token_ids)
+    history = record_history(history, history_rows, token_ids, batch.token_row, batch.positions,
+                             batch.query_start[-1])
+    out = forward(params, cfg, kv, batch, kernels)
+    sampled = sample(out.logits, sampling, max_logprobs, history)
+    # The next step's placeholders index this: one shape for every bucket.
+    next_prev = jnp.zeros_like(prev_tokens).at[: sampled.tokens.shape[0]].set(sampled.tokens)
+    return out.kv, history, next_prev, sampled
 
 
 class ModelRunner:
     def __init__(self, model: M3Model, num_pages: int, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int):
+                 max_model_len: int, cache_dir: str | Path | None = None):
         self.model = model
         self.cfg = model.cfg
         self.page_size = model.page_size
+        self.max_num_seqs = max_num_seqs
+        self.num_pages = num_pages
         # A fixed page-table width: attention shapes never depend on what else is in the batch.
         self.pages_per_row = -(-max_model_len // self.page_size)
-        self.kv = model.new_pages(num_pages)
-        self.row_buckets = powers_of_two(1, max_num_seqs)
-        self.token_buckets = powers_of_two(min(8, max_num_batched_tokens), max_num_batched_tokens)
-        self._step = jax.jit(functools.partial(_step, cfg=self.cfg, max_logprobs=MAX_LOGPROBS),
-                             donate_argnums=(1,))
-        self.num_compiled = 0
+        self.token_buckets = token_buckets(max_num_batched_tokens)
+        self.cache = ExecutableCache(cache_dir) if cache_dir is not None else None
+        self._fn = jax.jit(functools.partial(_step, cfg=self.cfg, kernels=model.kernels,
+                                             max_logprobs=MAX_LOGPROBS), donate_argnums=(1, 2, 3))
+        self._executables: dict[int, Callable[..., Any]] = {}
+        self.compile_log: list[dict[str, Any]] = []  # one entry per executable made: bucket, how, seconds
+        self._reset_state()
 
-    def bucket_shapes(self) -> list[tuple[int, int]]:
-        """(tokens, rows) pairs a step can take. A step has at least as many tokens as rows."""
-        return [(t, r) for t in self.token_buckets for r in self.row_buckets if r <= t]
+    # ---- device state ------------------------------------------------------------------------------------------
+    def _reset_state(self) -> None:
+        self.kv = self.model.new_pages(self.num_pages)
+        replicated = self.model.rules.replicated()
+        self.history = jax.device_put(PenaltyHistory.empty(self.max_num_seqs, self.cfg.vocab_size), replicated)
+        self.prev_tokens = jax.device_put(jnp.zeros((self.max_num_seqs,), jnp.int32), replicated)
+        self._prev_index: dict[int, int] = {}  # Request.seq -> its sampled row in the last dispatched step
 
-    def _bucket(self, buckets: Sequence[int], n: int) -> int:
-        for b in buckets:
-            if b >= n:
+    # ---- shapes and executables --------------------------------------------------------------------------------
+    def rows_for(self, num_tokens: int) -> int:
+        return min(num_tokens, self.max_num_seqs)
+
+    def bucket(self, num_tokens: int) -> int:
+        for b in self.token_buckets:
+            if b >= num_tokens:
                 return b
-        raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+        raise ValueError(f"{num_tokens} tokens exceed the largest bucket {self.token_buckets[-1]}")
+
+    def _abstract_args(self, num_tokens: int) -> tuple[Any, ...]:
+        """The step's arguments for a bucket as shapes, dtypes and placements: what tracing needs."""
+        rows = self.rows_for(num_tokens)
+        replicated = self.model.rules.replicated()
+
+        def spec(x: Any, sharding: Any = None) -> jax.ShapeDtypeStruct:
+            return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding or getattr(x, "sharding", None))
+
+        batch, _ = build_batch([], self.page_size, num_tokens, rows, self.pages_per_row)
+        host = (batch, np.zeros(num_tokens, np.int32), HistoryRows.untracked(rows, self.max_num_seqs),
+                SamplingTensors.build([], [], rows, num_slots=self.max_num_seqs))
+        device = (self.model.params, self.kv, self.history, self.prev_tokens)
+        return (*jax.tree.map(spec, device), *jax.tree.map(lambda x: spec(x, replicated), host))
+
+    def _key(self, num_tokens: int) -> str:
+        m = self.model
+        return ExecutableCache.key("step", m.cfg, m.kernels, str(m.dtype), m.rules.mesh.shape, sorted(
+            m.rules.rules.items()), num_tokens, self.rows_for(num_tokens), self.pages_per_row, self.num_pages,
+            self.max_num_seqs, MAX_LOGPROBS, jax.tree.structure(m.params), [
+                (x.shape, str(x.dtype)) for x in jax.tree.leaves(m.params)])
+
+    def executable(self, num_tokens: int) -> Callable[..., Any]:
+        """The compiled step of a bucket: loaded from the cache, else traced, lowered, compiled (and saved)."""
+        exe = self._executables.get(num_tokens)
+        if exe is not None:
+            return exe
+        t0 = time.perf_counter()
+        key = self._key(num_tokens) if self.cache is not None else None
+        exe = self.cache.load(key, list(self.model.rules.mesh.devices.flat)) if self.cache is not None else None
+        how = "loaded"
+        if exe is None:
+            exe = self._fn.trace(*self._abstract_args(num_tokens)).lower().compile()
+            how = "compiled"
+            if self.cache is not None:
+                self.cache.save(key, exe)
+        self._executables[num_tokens] = exe
+        self.compile_log.append({"tokens": num_tokens, "rows": self.rows_for(num_tokens), "how": how,
+                                 "seconds": time.perf_counter() - t0})
+        return exe
+
+    @property
+    def num_executables(self) -> int:
+        return len(self._executables)
 
     def warmup(self, progress: bool = True) -> float:
-        """Compile every bucket once (all-padding batches: they write only to the sink page)."""
+        """Make every bucket's executable (compile or load); nothing runs on the device."""
         from tqdm.auto import tqdm
 
-        shapes = self.bucket_shapes()
         t0 = time.perf_counter()
-        for t, r in tqdm(shapes, desc="compiling step buckets", disable=not progress, unit="shape"):
-            batch, _ = build_batch([], self.page_size, t, r, self.pages_per_row)
-            sampling = SamplingTensors.build([], None, [], r)
-            self.kv, out = self._step(self.model.params, self.kv, batch, sampling)
-            jax.block_until_ready(out.tokens)
-        self.num_compiled = self._step._cache_size()
+        with tqdm(self.token_buckets, desc="compiling step shapes", disable=not progress, unit="shape") as bar:
+            for tokens in bar:
+                self.executable(tokens)
+                bar.set_postfix_str(f"{tokens} tokens {self.compile_log[-1]['how']}")
         return time.perf_counter() - t0
 
-    def execute(self, plan: StepPlan) -> dict[str, SampledToken]:
-        """Run one step; returns the sampled token of every row that samples, by request id."""
-        rows = [RowPlan(r.tokens, r.start, r.request.pages, r.sample) for r in plan.rows]
-        num_tokens = self._bucket(self.token_buckets, max(plan.num_tokens, len(rows)))
-        num_rows = self._bucket(self.row_buckets, len(rows))
-        batch, sample_index = build_batch(rows, self.page_size, num_tokens, num_rows, self.pages_per_row)
+    # ---- one step ------------------------------------------------------------------------------------------
+    def launch(self, scheduled: SchedulerOutput) -> InFlight:
+        """Dispatch one step (returns before it has run). Raises StepFailed, with the state rebuilt."""
+        num_tokens = self.bucket(scheduled.num_tokens)
+        num_rows = self.rows_for(num_tokens)
+        rows = scheduled.rows
+        plans = [RowPlan(r.token_ids, r.start, r.pages, r.sample) for r in rows]
+        batch, sample_index = build_batch(plans, self.page_size, num_tokens, num_rows, self.pages_per_row)
 
-        sampled_rows = [r for r in plan.rows if r.sample]
-        params = [r.request.sampling for r in sampled_rows]
-        histories = [(r.request.prompt_ids, r.request.output_ids) for r in sampled_rows]
-        steps = [len(r.request.output_ids) for r in sampled_rows]
-        sampling = SamplingTensors.build(params, histories, steps, num_rows)
+        prev_index = np.full(num_tokens, -1, np.int32)
+        S = self.max_num_seqs
+        history_rows = HistoryRows.untracked(num_rows, S)
+        t = 0
+        for i, r in enumerate(rows):
+            for k, tok in enumerate(r.token_ids):
+                if tok == PLACEHOLDER:
+                    prev_index[t + k] = self._prev_index[r.seq]  # sampled by the step dispatched last
+            if uses_penalty(r.sampling):
+                history_rows.slot[i], history_rows.prompt_len[i] = r.slot, r.num_prompt
+                history_rows.reset[i] = r.start == 0
+            t += len(r.token_ids)
 
-        self.kv, out = self._step(self.model.params, self.kv, batch, sampling)
-        want_logprobs = any(getattr(p, "logprobs", None) is not None for p in params)
-        tokens = np.asarray(out.tokens)
-        logprobs = np.asarray(out.logprobs) if want_logprobs else None
-        top_ids = np.asarray(out.top_ids) if want_logprobs else None
-        top_lp = np.asarray(out.top_logprobs) if want_logprobs else None
+        sampled_rows = [r for r in rows if r.sample]
+        sampling = SamplingTensors.build([r.sampling for r in sampled_rows], [r.num_output for r in sampled_rows],
+                                         num_rows, slots=[r.slot for r in sampled_rows], num_slots=S)
+        try:
+            self.kv, self.history, self.prev_tokens, out = self.executable(num_tokens)(
+                self.model.params, self.kv, self.history, self.prev_tokens, batch, prev_index, history_rows,
+                sampling)
+        except Exception as e:
+            self._reset_state()
+            raise StepFailed(f"step failed: {e}") from e
+        seqs = [r.seq for r in sampled_rows]
+        self._prev_index = {seq: idx for seq, idx in zip(seqs, (i for i in sample_index if i >= 0), strict=True)}
+        want = any(getattr(r.sampling, "logprobs", None) is not None for r in sampled_rows)
+        return InFlight(scheduled, seqs, out, want)
 
-        result: dict[str, SampledToken] = {}
-        for row, idx in zip(plan.rows, sample_index, strict=True):
-            if idx < 0:
-                continue
-            n = getattr(row.request.sampling, "logprobs", None)
-            if n is None or logprobs is None:
-                result[row.request.request_id] = SampledToken(int(tokens[idx]), 0.0, {})
-            else:
-                top = {int(i): float(lp) for i, lp in zip(top_ids[idx, :n], top_lp[idx, :n], strict=True)}
-                result[row.request.request_id] = SampledToken(int(tokens[idx]), float(logprobs[idx]), top)
-        return result
+    def collect(self, step: InFlight) -> ModelRunnerOutput:
+        """Wait for a dispatched step's tokens. Raises StepFailed (state rebuilt) if it failed on the device."""
+        n = len(step.seqs)
+        try:
+            tokens = np.asarray(step.out.tokens)[:n]
+            if not step.want_logprobs:
+                return ModelRunnerOutput(step.seqs, tokens)
+            return ModelRunnerOutput(step.seqs, tokens, np.asarray(step.out.logprobs)[:n],
+                                     np.asarray(step.out.top_ids)[:n], np.asarray(step.out.top_logprobs)[:n])
+        except Exception as e:
+            self._reset_state()
+            raise StepFailed(f"step failed: {e}") from e

@@ -18,12 +18,14 @@ Gumbel vector over the whole vocabulary drawn from that key alone. So a seeded r
 whatever its row index, whatever else is in the batch, and across preemption-by-recompute (the step is the
 number of tokens the request has generated, not an engine counter).
 
-Token history for penalties (design choice): a dense `[L, V]` count table built on the host would cost
-L * V * 5 bytes per step (V is about 200k for M3: ~1 MB per row, every step). Instead the host sends, for
-penalised rows only, the distinct token ids seen so far, `hist_ids[L, H]` (-1 padded), and how often each
-occurs in the output, `hist_counts[L, H]` (0 for a token seen only in the prompt). The device expands them
-to dense `[L, V]` tables with one scatter. H is bucketed (0, or a power of two >= 16) to bound the number of
-compiled shapes; H = 0 when no row in the batch uses a penalty, and then the penalty code is not traced.
+Token history for penalties lives on the device (`PenaltyHistory`): per request slot (`Request.slot`), which
+token ids its prompt or output holds (`seen [S, V]`) and how often each occurs in the output (`counts [S, V]`).
+Each step records the tokens it feeds the model (`record_history`, inside the jitted step), so the tables are
+complete when that step samples, whatever the history length: no shape ever depends on it, nothing is sent from
+the host, and a step can be scheduled before the previous step's tokens reach the host. Only requests that use
+a penalty are tracked (their rows carry a slot; others carry S, which every scatter drops). A request's slot is
+cleared by its first step (position 0: a new request, or one recomputed after preemption), which then
+re-records its whole prompt and output.
 """
 
 from __future__ import annotations
@@ -39,8 +41,6 @@ import numpy as np
 
 # vLLM treats temperatures below this as greedy: dividing by a tiny temperature overflows to inf.
 GREEDY_EPS = 1e-5
-# Smallest non-zero history width: keeps the number of compiled history shapes small.
-MIN_HISTORY_BUCKET = 16
 DEFAULT_MAX_LOGPROBS = 20
 
 _U32 = 0xFFFFFFFF
@@ -86,8 +86,7 @@ class SamplingTensors:
     # that 64-bit client seeds do not collide; for seeds < 2**32 this is exactly jax.random.key(seed).
     seeds: Array
     step: Array  # i32[L]: tokens the request has generated before this row's token
-    hist_ids: Array  # i32[L, H]: distinct token ids in prompt (if repetition penalty) and output; -1 padded
-    hist_counts: Array  # i32[L, H]: occurrences of hist_ids[r, j] in the output (0: prompt only or padding)
+    slot: Array  # i32[L]: the request's PenaltyHistory slot; S (past the tables) when it uses no penalty
 
     @property
     def num_rows(self) -> int:
@@ -97,29 +96,26 @@ class SamplingTensors:
     def build(
         cls,
         params_list: Sequence[SamplingParamsLike],
-        histories: Sequence[TokenHistory | None] | None,
         steps: Sequence[int],
         num_rows_bucket: int,
         *,
-        history_bucket: int | None = None,
+        slots: Sequence[int] | None = None,
+        num_slots: int = 0,
         rng: np.random.Generator | None = None,
     ) -> SamplingTensors:
         """Numpy `SamplingTensors` for `len(params_list)` rows padded to `num_rows_bucket` with greedy rows.
 
-        `histories[i]` is needed only for rows with a penalty (None otherwise); `steps[i]` is the number of
-        tokens row i's request has generated before the token this row samples (a decode row:
-        len(output_ids); draft-verification row j of a request: len(output_ids) + j). An unseeded request
-        gets a fresh random seed from `rng` (the engine should fix one per request at admission if it wants
-        unseeded requests to survive preemption unchanged). `history_bucket` forces the history width
-        (it must be >= what the rows need); by default it is 0 or the next power of two >= 16.
+        `steps[i]` is the number of tokens row i's request has generated before the token this row samples (a
+        decode row: len(output_ids); draft-verification row j of a request: len(output_ids) + j). `slots[i]` is
+        the PenaltyHistory slot of row i's request (needed for rows with a penalty) in a table of `num_slots`.
+        An unseeded request gets a fresh random seed from `rng` (the engine fixes one per request at admission
+        so that unseeded requests survive preemption unchanged).
         """
         n = len(params_list)
         if num_rows_bucket < n:
             raise ValueError(f"num_rows_bucket={num_rows_bucket} is smaller than the {n} rows to sample")
         if len(steps) != n:
             raise ValueError(f"got {len(steps)} steps for {n} rows")
-        if histories is not None and len(histories) != n:
-            raise ValueError(f"got {len(histories)} histories for {n} rows")
         rng = rng if rng is not None else np.random.default_rng()
         L = num_rows_bucket
 
@@ -132,7 +128,7 @@ class SamplingTensors:
         frequency = np.zeros(L, np.float32)
         seeds = np.zeros((L, 2), np.uint32)
         step = np.zeros(L, np.int32)
-        rows_hist: list[tuple[int, np.ndarray, np.ndarray]] = []
+        slot = np.full(L, num_slots, np.int32)
 
         for i, p in enumerate(params_list):
             temperature[i] = _attr(p, "temperature", 0.0)
@@ -146,26 +142,10 @@ class SamplingTensors:
             s = int(rng.integers(0, 1 << 63)) if seed is None else int(seed) & _U64
             seeds[i] = ((s >> 32) & _U32, s & _U32)
             step[i] = steps[i]
-
-            uses_rep = rep[i] != 1.0
-            if uses_rep or presence[i] != 0.0 or frequency[i] != 0.0:
-                hist = histories[i] if histories is not None else None
-                if hist is None:
-                    raise ValueError(f"row {i} uses a penalty but has no token history")
-                rows_hist.append((i, *_row_history(hist, include_prompt=bool(uses_rep))))
-
-        need = max((len(ids) for _, ids, _ in rows_hist), default=0)
-        if history_bucket is None:
-            H = 0 if not rows_hist else max(MIN_HISTORY_BUCKET, 1 << (need - 1).bit_length())
-        elif history_bucket < need or (rows_hist and history_bucket == 0):
-            raise ValueError(f"history_bucket={history_bucket} is smaller than the {need} ids a row needs")
-        else:
-            H = history_bucket
-        hist_ids = np.full((L, H), -1, np.int32)
-        hist_counts = np.zeros((L, H), np.int32)
-        for i, ids, counts in rows_hist:
-            hist_ids[i, : len(ids)] = ids
-            hist_counts[i, : len(ids)] = counts
+            if uses_penalty(p):
+                if slots is None or not 0 <= slots[i] < num_slots:
+                    raise ValueError(f"row {i} uses a penalty but has no history slot in [0, {num_slots})")
+                slot[i] = slots[i]
 
         return cls(
             temperature=temperature,
@@ -177,9 +157,13 @@ class SamplingTensors:
             frequency_penalty=frequency,
             seeds=seeds,
             step=step,
-            hist_ids=hist_ids,
-            hist_counts=hist_counts,
+            slot=slot,
         )
+
+
+def uses_penalty(p: SamplingParamsLike) -> bool:
+    return (_attr(p, "repetition_penalty", 1.0) != 1.0 or _attr(p, "presence_penalty", 0.0) != 0.0
+            or _attr(p, "frequency_penalty", 0.0) != 0.0)
 
 
 def _attr(p: Any, name: str, default: float) -> float:
@@ -187,16 +171,67 @@ def _attr(p: Any, name: str, default: float) -> float:
     return default if v is None else v
 
 
-def _row_history(hist: TokenHistory, include_prompt: bool) -> tuple[np.ndarray, np.ndarray]:
-    """Distinct ids (output, plus prompt when the repetition penalty needs it) and their output counts."""
-    prompt, output = (np.asarray(h, np.int64).reshape(-1) for h in hist)
-    out_ids, out_counts = np.unique(output, return_counts=True)
-    if not include_prompt:
-        return out_ids.astype(np.int32), out_counts.astype(np.int32)
-    ids = np.union1d(np.unique(prompt), out_ids)  # sorted, distinct
-    counts = np.zeros(len(ids), np.int32)
-    counts[np.searchsorted(ids, out_ids)] = out_counts
-    return ids.astype(np.int32), counts
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PenaltyHistory:
+    """Device-resident token history of S request slots (see the module docstring); donated by the step."""
+
+    seen: Array  # bool[S, V]: in the prompt or the output
+    counts: Array  # i32[S, V]: occurrences in the output
+
+    @classmethod
+    def empty(cls, num_slots: int, vocab_size: int) -> PenaltyHistory:
+        return cls(jnp.zeros((num_slots, vocab_size), bool), jnp.zeros((num_slots, vocab_size), jnp.int32))
+
+    @classmethod
+    def from_histories(cls, histories: Sequence[TokenHistory], vocab_size: int) -> PenaltyHistory:
+        """Tables for slots 0 .. n-1 from (prompt, output) id lists, built on the host (tests, tools)."""
+        seen = np.zeros((len(histories), vocab_size), bool)
+        counts = np.zeros((len(histories), vocab_size), np.int32)
+        for i, (prompt, output) in enumerate(histories):
+            seen[i, np.asarray(prompt, np.int64)] = True
+            seen[i, np.asarray(output, np.int64)] = True
+            np.add.at(counts[i], np.asarray(output, np.int64), 1)
+        return cls(seen, counts)
+
+    @property
+    def num_slots(self) -> int:
+        return int(self.seen.shape[0])
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class HistoryRows:
+    """Per request row of a step [R]: where its tokens are recorded (`slot`: S = not tracked), where its prompt
+    ends (tokens from there on are output), and whether this step starts it from position 0 (`reset`)."""
+
+    slot: Array  # i32[R]
+    prompt_len: Array  # i32[R]
+    reset: Array  # bool[R]
+
+    @classmethod
+    def untracked(cls, num_rows: int, num_slots: int) -> HistoryRows:
+        return cls(np.full(num_rows, num_slots, np.int32), np.zeros(num_rows, np.int32), np.zeros(num_rows, bool))
+
+
+def record_history(h: PenaltyHistory, rows: HistoryRows, token_ids_T: jax.Array, token_row_T: jax.Array,
+                   positions_T: jax.Array, num_valid: jax.Array) -> PenaltyHistory:
+    """Add the step's input tokens (the first `num_valid`; the rest is padding) to their rows' slots, after
+    clearing the slots of rows that start over. Untracked rows scatter past the tables (dropped)."""
+    S = h.num_slots
+    seen, counts = h.seen, h.counts
+
+    def clear(tables: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        slots = jnp.where(rows.reset, rows.slot, S)
+        return tables[0].at[slots].set(False, mode="drop"), tables[1].at[slots].set(0, mode="drop")
+
+    seen, counts = jax.lax.cond(jnp.any(rows.reset & (rows.slot < S)), clear, lambda t: t, (seen, counts))
+    valid_T = jnp.arange(token_ids_T.shape[0]) < num_valid
+    slot_T = jnp.where(valid_T, rows.slot[token_row_T], S)
+    output_T = (positions_T >= rows.prompt_len[token_row_T]).astype(jnp.int32)
+    seen = seen.at[slot_T, token_ids_T].set(True, mode="drop")
+    counts = counts.at[slot_T, token_ids_T].add(output_T, mode="drop")
+    return PenaltyHistory(seen, counts)
 
 
 @jax.tree_util.register_dataclass
@@ -211,31 +246,28 @@ class SampleOutput:
 # ---- device side -------------------------------------------------------------------------------------------
 
 
-def history_tables(t: SamplingTensors, vocab_size: int) -> tuple[jax.Array, jax.Array]:
-    """Dense (`seen` bool[L, V]: in prompt or output, `counts` i32[L, V]: occurrences in the output)."""
-    L, H = t.hist_ids.shape
-    # -1 padding (and any id outside the vocabulary) is pointed past the end and dropped by the scatter.
-    ids = jnp.where((t.hist_ids < 0) | (t.hist_ids >= vocab_size), vocab_size, t.hist_ids)
-    rows = jnp.broadcast_to(jnp.arange(L)[:, None], (L, H))
-    seen = jnp.zeros((L, vocab_size), bool).at[rows, ids].set(True, mode="drop")
-    counts = jnp.zeros((L, vocab_size), jnp.int32).at[rows, ids].add(t.hist_counts, mode="drop")
-    return seen, counts
-
-
-def apply_penalties(logits: jax.Array, t: SamplingTensors) -> jax.Array:
+def apply_penalties(logits: jax.Array, t: SamplingTensors, h: PenaltyHistory) -> jax.Array:
     """Repetition (vLLM/HF: prompt or output), then frequency and presence (OpenAI: output counts).
 
-    A row with every penalty off comes back bit-identical (x - 0 == x, and the repetition select keeps x),
-    which is what keeps greedy rows batch-invariant next to penalised ones.
+    A row with every penalty off comes back bit-identical (its slot is past the tables: nothing seen, counts 0,
+    and x - 0 == x), which is what keeps greedy rows batch-invariant next to penalised ones. The gather of the
+    [L, V] tables is skipped when no row is penalised.
     """
-    if t.hist_ids.shape[1] == 0:  # static: no row in this batch uses a penalty
+    S = h.num_slots
+
+    def penalise(logits: jax.Array) -> jax.Array:
+        tracked = (t.slot < S)[:, None]
+        slot = jnp.minimum(t.slot, S - 1)
+        seen = h.seen[slot] & tracked
+        counts = jnp.where(tracked, h.counts[slot], 0)
+        rep = t.repetition_penalty[:, None]
+        logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+        logits = logits - t.frequency_penalty[:, None] * counts.astype(logits.dtype)
+        return logits - t.presence_penalty[:, None] * (counts > 0).astype(logits.dtype)
+
+    if S == 0:
         return logits
-    seen, counts = history_tables(t, logits.shape[-1])
-    rep = t.repetition_penalty[:, None]
-    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
-    counts_f = counts.astype(logits.dtype)
-    logits = logits - t.frequency_penalty[:, None] * counts_f
-    return logits - t.presence_penalty[:, None] * (counts > 0).astype(logits.dtype)
+    return jax.lax.cond(jnp.any(t.slot < S), penalise, lambda x: x, logits)
 
 
 def filter_mask(scaled: jax.Array, t: SamplingTensors) -> jax.Array:
@@ -278,13 +310,15 @@ def row_noise(t: SamplingTensors, vocab_size: int) -> jax.Array:
     return jax.vmap(one)(t.seeds, t.step)
 
 
-def sample(logits: jax.Array, t: SamplingTensors, max_logprobs: int) -> SampleOutput:
-    """Sample one token per row of `logits[L, V]`; `max_logprobs` (static) is the width of the top lists."""
+def sample(logits: jax.Array, t: SamplingTensors, max_logprobs: int,
+           history: PenaltyHistory | None = None) -> SampleOutput:
+    """Sample one token per row of `logits[L, V]`; `max_logprobs` (static) is the width of the top lists;
+    `history` the penalty tables (None: no row may use a penalty)."""
     logits = logits.astype(jnp.float32)
     L, V = logits.shape
     raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
 
-    penalised = apply_penalties(logits, t)
+    penalised = apply_penalties(logits, t, history) if history is not None else logits
     greedy_tokens = jnp.argmax(penalised, axis=-1).astype(jnp.int32)
     is_greedy = t.temperature <= GREEDY_EPS
     scaled = penalised / jnp.where(is_greedy, 1.0, t.temperature)[:, None]

@@ -1,11 +1,20 @@
 """Who runs in the next step, with how many tokens, in which pages. Plain Python over request states.
 
+`schedule()` returns a plain `SchedulerOutput` (what runs this step); `update()` takes back what the step
+sampled (`ModelRunnerOutput`) and records it through `serving.stopping.append_token`, the one place that decides
+that a request stops.
+
 Policy (continuous batching, as in vLLM v1):
 - Running requests first, oldest first: each gets all its uncomputed tokens (1 for a decode, the rest of the
   prompt for a prefill) as far as the step's token budget allows, so long prompts are chunked.
 - When a running request needs a page and none is free, the newest running request is preempted by
   recompute: its pages are freed and it goes back to the front of the queue with prompt + output so far.
 - Then waiting requests, first come first served, while budget, the running cap and free pages allow.
+
+Async scheduling: a request whose last step is still in flight has a placeholder for the token that step
+samples (`Request.num_placeholders`); it is scheduled as if that token were known, and the executor feeds it to
+the model from the previous step's device output. So step N+1 is scheduled before step N's tokens are on the
+host; a request that step N finishes (EOS, a stop string) wastes one row of step N+1, whose token is dropped.
 """
 
 from __future__ import annotations
@@ -13,8 +22,11 @@ from __future__ import annotations
 import collections
 import dataclasses
 
+import numpy as np
+
 from serving.kv_cache import PageAllocator
 from serving.request import FinishReason, Request, Status
+from serving.stopping import append_token
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,20 +44,39 @@ class SchedulerConfig:
 
 @dataclasses.dataclass
 class ScheduledRow:
-    request: Request
-    tokens: list[int]
+    """One request's part of a step: `token_ids` at positions start .. start + len - 1 (PLACEHOLDER where the
+    previous step samples it), written into `pages`; `sample`: its last token's logits are sampled."""
+
+    seq: int  # Request.seq: the request's identity for this admission
+    token_ids: list[int]
     start: int
-    sample: bool  # this chunk reaches the end of the request's known tokens: sample the next one
+    pages: list[int]
+    sample: bool
+    slot: int  # the request's row of per-request device state
+    sampling: object  # SamplingParams
+    num_prompt: int
+    num_output: int  # tokens generated before this row's sample (placeholders included)
 
 
 @dataclasses.dataclass
-class StepPlan:
+class SchedulerOutput:
     rows: list[ScheduledRow]
-    preempted: list[Request]
+    preempted: list[str]
 
     @property
     def num_tokens(self) -> int:
-        return sum(len(r.tokens) for r in self.rows)
+        return sum(len(r.token_ids) for r in self.rows)
+
+
+@dataclasses.dataclass
+class ModelRunnerOutput:
+    """What a step sampled, one entry per sampling row of its SchedulerOutput, in row order."""
+
+    seqs: list[int]  # Request.seq of each sampled row
+    token_ids: np.ndarray  # [n] int32
+    logprobs: np.ndarray | None = None  # [n] fp32, when some request asked for logprobs
+    top_ids: np.ndarray | None = None  # [n, max_logprobs]
+    top_logprobs: np.ndarray | None = None
 
 
 class Scheduler:
@@ -55,6 +86,9 @@ class Scheduler:
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self._by_id: dict[str, Request] = {}
+        self._by_seq: dict[int, Request] = {}
+        self._next_seq = 0
+        self._free_slots = list(range(config.max_num_seqs - 1, -1, -1))
 
     # ---- requests in and out -------------------------------------------------------------------------------
     def pages_for(self, num_tokens: int) -> int:
@@ -76,38 +110,38 @@ class Scheduler:
             raise ValueError(f"the request may grow to {longest} tokens = {self.pages_for(longest)} pages, but the "
                              f"KV cache holds {self.allocator.num_usable} pages; lower max_tokens")
         req.status = Status.WAITING
+        req.seq = self._next_seq
+        self._next_seq += 1
         self.waiting.append(req)
         self._by_id[req.request_id] = req
+        self._by_seq[req.seq] = req
 
     def get(self, request_id: str) -> Request | None:
         return self._by_id.get(request_id)
 
-    def abort(self, request_id: str) -> Request | None:
-        req = self._by_id.get(request_id)
-        if req is None or req.finished:
-            return None
-        self.finish(req, FinishReason.ABORT)
-        return req
+    def get_by_seq(self, seq: int) -> Request | None:
+        return self._by_seq.get(seq)
 
     def finish(self, req: Request, reason: FinishReason, error: str | None = None) -> None:
+        """End a request for good (abort, error, or the stop `update` decided) and free what it holds."""
         if req.finished:
             return
         if req.status is Status.RUNNING:
             self.running.remove(req)
+            self._release(req)
         else:
             self.waiting.remove(req)
-        self.allocator.free(req.pages)
-        req.pages = []
         req.status = Status.FINISHED
         req.finish_reason = reason
         req.error = error
         del self._by_id[req.request_id]
+        del self._by_seq[req.seq]
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
     # ---- one step ----------------------------------------------------------------------------------------
-    def schedule(self) -> StepPlan:
+    def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         rows: list[ScheduledRow] = []
         preempted: list[Request] = []
@@ -115,7 +149,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed, budget)
+            n = min(self._uncomputed(req), budget)
+            if n == 0:  # its last token is still to be sampled or it has all it may get: nothing to run
+                i += 1
+                continue
             need = self.pages_for(req.num_computed + n) - len(req.pages)
             while need > self.allocator.num_free and self.running[-1] is not req:
                 victim = self.running.pop()
@@ -135,48 +172,62 @@ class Scheduler:
         # No admissions while preempting: the pool is the bottleneck, admitting would thrash.
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            n = min(req.num_tokens - req.num_computed, budget)
+            if req.num_placeholders:  # preempted with a token in flight: wait until it has landed
+                break
+            n = min(self._uncomputed(req), budget)
             need = self.pages_for(n)
             if need > self.allocator.num_free:
                 break
             self.waiting.popleft()
             req.pages = self.allocator.allocate(need)
+            req.slot = self._free_slots.pop()
             req.status = Status.RUNNING
             self.running.append(req)
             rows.append(self._row(req, n))
             budget -= n
-        return StepPlan(rows, preempted)
+        return SchedulerOutput(rows, [r.request_id for r in preempted])
+
+    def _uncomputed(self, req: Request) -> int:
+        """Tokens to run now: none when the request has sampled all it may (its finishing update is pending)."""
+        if req.num_output >= req.max_tokens or req.num_tokens >= self.config.max_model_len:
+            return 0
+        return req.num_tokens - req.num_computed
 
     def _row(self, req: Request, n: int) -> ScheduledRow:
         start = req.num_computed
-        return ScheduledRow(req, req.all_ids[start:start + n], start, sample=start + n == req.num_tokens)
+        sample = start + n == req.num_tokens
+        row = ScheduledRow(req.seq, req.token_ids(start, start + n), start, list(req.pages), sample,
+                           req.slot, req.sampling, req.num_prompt, req.num_output)
+        req.num_computed += n
+        if sample:
+            req.num_placeholders += 1
+        return row
 
-    def _preempt(self, req: Request) -> None:
+    def _release(self, req: Request) -> None:
         self.allocator.free(req.pages)
         req.pages = []
+        self._free_slots.append(req.slot)
+        req.slot = -1
+
+    def _preempt(self, req: Request) -> None:
+        self._release(req)
         req.num_computed = 0
         req.status = Status.WAITING
         req.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def update(self, plan: StepPlan, sampled: dict[str, int]) -> list[Request]:
-        """Record a finished step: computed tokens, sampled tokens, stop conditions. Returns finished requests."""
-        done: list[Request] = []
-        for row in plan.rows:
-            req = row.request
-            if req.finished:  # aborted while the step ran
+    def update(self, result: ModelRunnerOutput) -> list[tuple[Request, int]]:
+        """Record a step's sampled tokens; returns the requests that got one (finished ones included, with
+        `finish_reason` set) with their index in `result`. Requests finished meanwhile (aborted, or stopped by
+        the step before) are skipped."""
+        got: list[tuple[Request, int]] = []
+        for i, (seq, tok) in enumerate(zip(result.seqs, result.token_ids.tolist(), strict=True)):
+            req = self._by_seq.get(seq)
+            if req is None:
                 continue
-            req.num_computed += len(row.tokens)
-            if not row.sample:
-                continue
-            tok = sampled[req.request_id]
-            req.output_ids.append(tok)
-            reason = None
-            if (tok in req.eos_token_ids and not req.ignore_eos) or tok in req.stop_token_ids:
-                reason = FinishReason.STOP
-            elif len(req.output_ids) >= req.max_tokens or req.num_tokens >= self.config.max_model_len:
-                reason = FinishReason.LENGTH
+            req.num_placeholders -= 1
+            reason = append_token(req, tok, self.config.max_model_len)
             if reason is not None:
                 self.finish(req, reason)
-                done.append(req)
-        return done
+            got.append((req, i))
+        return got

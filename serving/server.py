@@ -2,11 +2,13 @@
 
     m3jax serve [--model DIR|preset] [--grpc-port 50051] [--http-port 8000] [--host 127.0.0.1] [--max-queue 256] ...
 
+Every flag is a field of `m3jax.settings.Settings` (`m3jax serve --help` lists them with their defaults).
+
 The parts:
 - `ServingCore`: what both front ends share. Back-pressure (a bound on requests admitted and not finished,
   counted across both servers; past it a request is refused at once, never queued without bound), request ids,
   metrics, and `RequestStream`, the one way a front end runs a request.
-- `serve()`: builds the Engine, starts both servers, prints the bound ports, and on SIGINT / SIGTERM shuts down
+- `serve()`: builds the EngineCore, starts both servers, prints the bound ports, and on SIGINT / SIGTERM shuts down
   gracefully: stop accepting, let in-flight requests finish for `--shutdown-timeout` seconds (a second signal
   aborts them at once), abort what is left, stop the engine loop, exit 0.
 """
@@ -17,7 +19,6 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import os
 import signal
 import sys
 import time
@@ -25,13 +26,14 @@ import types
 import uuid
 from typing import Any
 
-from serving.engine import AsyncEngine, Engine, EngineConfig, Prompt
+from m3jax.settings import Settings
+from m3jax.settings import add_arguments as add_settings_arguments
+from serving.core import EngineCore, Prompt
+from serving.engine import AsyncEngine
 from serving.metrics import ServerMetrics
 from serving.outputs import RequestOutput, SamplingParams
 
 log = logging.getLogger("m3jax.serve")
-
-DEFAULT_MAX_QUEUE = 256
 
 
 class Overloaded(Exception):
@@ -120,10 +122,10 @@ class RequestStream:
 
 
 class ServingCore:
-    """State shared by the gRPC and HTTP front ends over one Engine."""
+    """State shared by the gRPC and HTTP front ends over one EngineCore."""
 
-    def __init__(self, engine: Engine, async_engine: AsyncEngine, model_name: str, model_path: str,
-                 max_queue: int = DEFAULT_MAX_QUEUE, api_key: str | None = None):
+    def __init__(self, engine: EngineCore, async_engine: AsyncEngine, model_name: str, model_path: str,
+                 max_queue: int = Settings.max_queue, api_key: str | None = None):
         if max_queue < 1:
             raise ValueError(f"max_queue must be at least 1, got {max_queue}")
         self.engine = engine
@@ -217,9 +219,9 @@ class ServingCore:
             "vocab_size": cfg.vocab_size,
             "eos_token_ids": sorted(e.eos_token_ids),
             "has_tokenizer": e.tokenizer is not None,
-            "dtype": str(e.config.dtype),
-            "tensor_parallel_size": e.config.tensor_parallel_size,
-            "device": device_description(e.config.tensor_parallel_size),
+            "dtype": e.settings.compute_dtype(),
+            "tensor_parallel_size": e.settings.tensor_parallel_size,
+            "device": device_description(e.settings.tensor_parallel_size),
             "page_size": e.model.page_size,
             "num_pages": e.num_pages,
             "pages_in_use": e.pages_in_use,
@@ -241,26 +243,7 @@ def device_description(num: int = 1) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None,
-                   help="checkpoint directory or preset (random weights); default: the embedded tiny model")
-    p.add_argument("--served-model-name", default=None,
-                   help="the name clients pass as `model` (default: --model as given, or m3jax/tiny)")
-    p.add_argument("--host", default="127.0.0.1", help="address both servers bind (default loopback only)")
-    p.add_argument("--grpc-port", type=int, default=50051, help="0 = any free port; negative = no gRPC server")
-    p.add_argument("--http-port", type=int, default=8000, help="0 = any free port; negative = no HTTP server")
-    p.add_argument("--tensor-parallel-size", type=int, default=1)
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=16)
-    p.add_argument("--max-num-batched-tokens", type=int, default=256)
-    p.add_argument("--kv-cache-pages", type=int, default=None)
-    p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
-                   help="requests admitted and not finished, across both servers; past it: 429 / RESOURCE_EXHAUSTED")
-    p.add_argument("--api-key", default=os.environ.get("M3JAX_API_KEY"),
-                   help="require `Authorization: Bearer KEY` (default: env M3JAX_API_KEY; unset = no auth)")
-    p.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="seconds in-flight requests get to finish on SIGINT/SIGTERM before they are aborted")
-    p.add_argument("--log-level", default="INFO")
+    add_settings_arguments(p)
 
 
 class _StartupInterrupted(Exception):
@@ -272,40 +255,34 @@ def _interrupt_startup(signum: int, frame: Any) -> None:
 
 
 def serve(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+    settings = Settings.from_args(args)
+    logging.basicConfig(level=settings.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.max_queue < 1:
-        print(f"error: --max-queue must be at least 1, got {args.max_queue}", file=sys.stderr)
-        return 2
     # Until the loop owns the signals, a SIGTERM during the (long) start-up still means a clean exit 0.
     old = {s: signal.signal(s, _interrupt_startup) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        config = EngineConfig(
-            model=args.model, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size,
-            max_model_len=args.max_model_len, kv_cache_pages=args.kv_cache_pages, max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            progress=os.environ.get("M3JAX_NO_PROGRESS") != "1" and sys.stderr.isatty())
         t0 = time.perf_counter()
-        engine = Engine(config)
-        log.info("engine ready in %.1fs (%d KV pages, model length %d)", time.perf_counter() - t0,
-                 engine.num_pages, engine.max_model_len)
+        engine = EngineCore(settings)
+        log.info("engine ready in %.1fs (%d KV pages, model length %d, %d step executables)",
+                 time.perf_counter() - t0, engine.num_pages, engine.max_model_len, engine.num_executables)
     except _StartupInterrupted as e:
         print(f"[m3jax] interrupted by {e} during start-up", file=sys.stderr)
         return 0
     finally:
         for s, h in old.items():
             signal.signal(s, h)
-    name = args.served_model_name or (args.model if args.model is not None else "m3jax/tiny")
-    core = ServingCore(engine, AsyncEngine(engine), name, args.model or "embedded", args.max_queue, args.api_key)
+    name = settings.served_model_name or (settings.model if settings.model is not None else "m3jax/tiny")
+    core = ServingCore(engine, AsyncEngine(engine), name, settings.model or "embedded", settings.max_queue,
+                       settings.api_key)
     try:
-        asyncio.run(_serve_async(core, args))
+        asyncio.run(_serve_async(core, settings))
     except OSError as e:  # a port in use, an address that is not ours: say so, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0
 
 
-async def _serve_async(core: ServingCore, args: argparse.Namespace) -> None:
+async def _serve_async(core: ServingCore, args: Settings) -> None:
     from serving.grpc_server import GrpcServer
     from serving.http_server import HttpServer
 

@@ -1,63 +1,142 @@
-"""The engine end to end on a tiny random model: exactness under continuous batching, chunked prefill and
-preemption; seeded sampling; nothing lost; bad input; buckets compiled once."""
+"""The engine end to end on a tiny random model: exactness under continuous batching, chunked prefill,
+preemption and async scheduling, at odd sizes too; seeded sampling; nothing lost; bad input; every executable
+made at start-up and none after, whatever the requests ask for; one thread steps the core."""
 
 import asyncio
+import contextlib
+import time
 
 import numpy as np
 import pytest
 
+from m3jax.api import M3Model
+from m3jax.config import preset
+from m3jax.params import init_params
+from m3jax.settings import Settings
 from serving import LLM, SamplingParams
+from serving.core import EngineCore
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
+# 20 usable pages of 16 tokens for 8 running requests of up to ~100 tokens: preemption is forced.
+SETTINGS = dict(model="m3-tiny", dtype="float32", max_model_len=128, kv_cache_pages=21, max_num_seqs=8,
+                max_num_batched_tokens=32, progress=False)
 
 
 @pytest.fixture(scope="module")
 def llm():
-    # 40 usable pages of 16 tokens for 8 running requests of up to ~100 tokens: preemption is forced.
-    return LLM(model="m3-tiny", dtype="float32", max_model_len=128, kv_cache_pages=21, max_num_seqs=8,
-               max_num_batched_tokens=32, progress=False)
+    with LLM(**SETTINGS) as llm:
+        yield llm
 
 
-def _prompts(n, seed=0):
+def _prompts(n, seed=0, vocab=500):
     rng = np.random.default_rng(seed)
-    return [rng.integers(1, 500, rng.integers(3, 70)).tolist() for _ in range(n)]
+    return [rng.integers(1, vocab, rng.integers(3, 70)).tolist() for _ in range(n)]
 
 
 def _alone(llm, prompts, params):
-    return [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    params = params if isinstance(params, list) else [params] * len(prompts)
+    return [llm.generate([p], q, use_tqdm=False)[0].outputs[0].token_ids for p, q in zip(prompts, params, strict=True)]
 
 
-def test_buckets_compiled_once_at_startup(llm):
-    runner = llm.engine.runner
-    assert runner.num_compiled == len(runner.bucket_shapes()) == runner._step._cache_size()
-    llm.generate(_prompts(4, seed=9), GREEDY, use_tqdm=False)
-    llm.generate([[1] * 100], SamplingParams(temperature=0.5, top_p=0.9, seed=1, max_tokens=3), use_tqdm=False)
-    assert runner._step._cache_size() == runner.num_compiled, "serving must not compile new shapes"
+def _wait_idle(core, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while core.has_work() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not core.has_work()
 
 
-def test_exact_under_batching_chunking_and_preemption(llm):
+@contextlib.contextmanager
+def count_compiles():
+    """Every XLA executable built in the block (persistent-cache hits included), process-wide."""
+    from jax._src import dispatch, monitoring
+
+    seen = []
+
+    def listener(event, duration, **kw):
+        if event == dispatch.BACKEND_COMPILE_EVENT:
+            seen.append(kw)
+
+    monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield seen
+    finally:
+        monitoring.unregister_event_duration_listener(listener)
+
+
+def test_every_request_after_warmup_runs_without_compiling(llm):
+    """One executable per token bucket, all made at start-up; then every SamplingParams feature, long
+    penalty histories, preemption and aborts run without a single compile."""
+    core = llm.core
+    assert core.num_executables == len(core.runner.token_buckets) == 3  # 8, 16, 32 tokens
+    features = [
+        SamplingParams(temperature=0.0, max_tokens=20),
+        SamplingParams(temperature=0.8, top_p=0.9, top_k=20, min_p=0.05, seed=3, max_tokens=20),
+        SamplingParams(temperature=1.0, max_tokens=20),  # unseeded
+        SamplingParams(temperature=0.7, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.4,
+                       max_tokens=60, seed=1),
+        SamplingParams(temperature=0.0, repetition_penalty=1.1, max_tokens=30),
+        SamplingParams(temperature=0.0, logprobs=5, max_tokens=10),
+        SamplingParams(temperature=0.0, stop_token_ids=[7, 8, 9], max_tokens=30),
+        SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=40),
+    ]
+    prompts = _prompts(len(features), seed=11)
+    prompts[3] = list(range(1, 68))  # a long penalty history: prompt and output
+    with count_compiles() as compiles:
+        outs = llm.generate(prompts * 2, features * 2, use_tqdm=False)  # 16 requests: preemption
+        for _ in llm.stream([1, 2, 3], SamplingParams(max_tokens=50)):
+            break  # aborted after its first token
+        _wait_idle(core)
+    assert compiles == [], "serving must not compile"
+    assert core.num_executables == 3
+    assert core.stats["preemptions"] > 0
+    seeded = [i for i in range(8) if i != 2]  # the unseeded request draws differently each time
+    assert [outs[i].outputs[0].token_ids for i in seeded] == [outs[8 + i].outputs[0].token_ids for i in seeded]
+    assert core.pages_in_use == 0
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_exact_under_batching_chunking_and_preemption(llm, async_scheduling):
     prompts = _prompts(36)
     params = [SamplingParams(temperature=0.0, max_tokens=int(m)) for m in np.random.default_rng(1).integers(5, 40, 36)]
-    alone = [llm.generate([p], q, use_tqdm=False)[0].outputs[0].token_ids
-             for p, q in zip(prompts, params, strict=True)]
+    alone = _alone(llm, prompts, params)
+    alone_reasons = [llm.generate([p], q, use_tqdm=False)[0].outputs[0].finish_reason
+                     for p, q in zip(prompts, params, strict=True)]
 
-    eng = llm.engine
-    before = eng.stats["preemptions"]
-    # Requests arrive over time: a few new ones before each step.
+    # This test's thread steps a core of its own (never started): requests arrive between steps.
+    core = EngineCore(Settings(**SETTINGS, async_scheduling=async_scheduling))
     ids, results, pending = [], {}, list(zip(prompts, params, strict=False))
-    while pending or eng.has_work():
+    while pending or core.has_work():
         for _ in range(3):
             if pending:
                 p, q = pending.pop(0)
-                ids.append(eng.add_request(p, q))
-        for out in eng.step():
+                req, text = core.prepare(p, q)
+                ids.append(core.submit(req, text))
+        for out in core.step():
             if out.finished:
                 results[out.request_id] = out
     got = [results[i].outputs[0].token_ids for i in ids]
-    assert eng.stats["preemptions"] > before, "the pool must be small enough to force preemption"
+    assert core.stats["preemptions"] > 0, "the pool must be small enough to force preemption"
     assert got == alone
-    assert all(results[i].outputs[0].finish_reason == "length" for i in ids)
-    assert eng.pages_in_use == 0 and eng.num_running == 0 and eng.num_waiting == 0
+    assert [results[i].outputs[0].finish_reason for i in ids] == alone_reasons
+    assert core.pages_in_use == 0 and core.num_running == 0 and core.num_waiting == 0
+    assert core.num_executables == 3
+
+
+def test_exact_at_odd_sizes():
+    """Model length 1000 (63 pages of 16: not a power of two), 3 rows, a 100-token step budget: batched equals
+    alone, and the engine's greedy tokens are the model's own greedy decoding."""
+    cfg = preset("m3-tiny")
+    with LLM(model="m3-tiny", dtype="float32", max_model_len=1000, max_num_seqs=3, max_num_batched_tokens=100,
+             progress=False) as odd:
+        assert odd.core.runner.token_buckets == [8, 16, 32, 64, 100]
+        assert odd.core.runner.pages_per_row == 63
+        prompts = _prompts(7, seed=4, vocab=cfg.vocab_size)
+        prompts[0] = list(range(1, 300))  # a prompt over several 100-token steps
+        params = SamplingParams(temperature=0.0, max_tokens=17)
+        batched = [o.outputs[0].token_ids for o in odd.generate(prompts, params, use_tqdm=False)]
+        assert batched == _alone(odd, prompts, params)
+    model = M3Model.create(cfg, init_params(cfg, seed=0, dtype="float32"))  # the preset's weights
+    assert batched[1] == list(model.generate_greedy(prompts[1], 17, stop_ids=cfg.eos_token_ids))
 
 
 def test_seeded_sampling_is_reproducible(llm):
@@ -69,6 +148,15 @@ def test_seeded_sampling_is_reproducible(llm):
     c = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(temperature=1.0, seed=99,
                                                                               max_tokens=10), use_tqdm=False)]
     assert c != a
+
+
+def test_penalised_requests_are_batch_invariant(llm):
+    prompts = _prompts(5, seed=8)
+    params = SamplingParams(temperature=0.0, repetition_penalty=1.5, frequency_penalty=0.7, max_tokens=25)
+    batched = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert batched == _alone(llm, prompts, params)
+    plain = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    assert plain != [b[:12] for b in batched]
 
 
 def test_bad_input_is_refused_and_engine_keeps_serving(llm):
@@ -86,30 +174,37 @@ def test_bad_input_is_refused_and_engine_keeps_serving(llm):
             llm.generate([[5, 6, 7], prompt], SamplingParams(**kw) if kw else GREEDY, use_tqdm=False)
     with pytest.raises(FileNotFoundError, match="neither a checkpoint directory nor a preset"):
         LLM(model="/nonexistent/model")
+    with pytest.raises(TypeError, match="did you mean 'max_num_seqs'"):
+        LLM(model="m3-tiny", max_num_seq=4)
     out = llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0]
-    assert len(out.outputs[0].token_ids) == 12 and llm.engine.pages_in_use == 0
+    assert len(out.outputs[0].token_ids) == 12 and llm.core.pages_in_use == 0
 
 
 def test_abort_and_stop_token_and_logprobs(llm):
-    eng = llm.engine
-    rid = eng.add_request([1, 2, 3, 4], SamplingParams(temperature=0.0, max_tokens=100))
-    eng.step()
-    eng.abort(rid)
-    outs = [o for o in eng.step() if o.request_id == rid]
-    assert outs and outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
+    core = llm.core
+    stream = llm.stream([1, 2, 3, 4], SamplingParams(temperature=0.0, max_tokens=100))
+    next(stream)
+    stream.close()  # the caller leaves: the request is aborted and its pages freed
+    _wait_idle(core)
+    assert core.pages_in_use == 0 and core.stats["finished_abort"] >= 1
     first = llm.generate([[9, 8, 7]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     stopped = llm.generate([[9, 8, 7]], SamplingParams(temperature=0.0, max_tokens=12,
                                                         stop_token_ids=[first[3]]), use_tqdm=False)[0]
     assert stopped.outputs[0].token_ids == first[:first.index(first[3]) + 1]
     assert stopped.outputs[0].finish_reason == "stop" and stopped.outputs[0].stop_reason == first[3]
     lp = llm.generate([[9, 8, 7]], SamplingParams(temperature=0.0, max_tokens=3, logprobs=2), use_tqdm=False)[0]
-    for entry, tok in zip(lp.outputs[0].logprobs, lp.outputs[0].token_ids, strict=False):
+    for entry, tok in zip(lp.outputs[0].logprobs, lp.outputs[0].token_ids, strict=True):
         assert entry.token_id == tok and len(entry.top) == 2 and tok == max(entry.top, key=entry.top.get)
-    assert eng.pages_in_use == 0
+    assert core.pages_in_use == 0
+
+
+def test_one_thread_steps_the_core(llm):
+    with pytest.raises(RuntimeError, match="one thread steps the core"):
+        llm.core.step()
 
 
 def test_async_engine_streams_and_cancel_frees_pages(llm):
-    engine = llm.async_engine()
+    engine = llm.async_engine()  # the same core: LLM.generate and the async engine share its one thread
 
     async def main():
         async def full(p):
@@ -129,19 +224,31 @@ def test_async_engine_streams_and_cancel_frees_pages(llm):
                 pass
         return results[:10], prompts
 
-    try:
-        got, prompts = asyncio.run(main())
-        assert got == _alone_async_safe(engine, prompts)
-    finally:
-        engine.shutdown()
-    assert llm.engine.pages_in_use == 0 and not llm.engine.has_work()
+    got, prompts = asyncio.run(main())
+    assert got == _alone(llm, prompts, GREEDY)
+    _wait_idle(llm.core)
+    assert llm.core.pages_in_use == 0
 
 
-def _alone_async_safe(engine, prompts):
-    async def one(p):
-        toks = []
-        async for out in engine.generate(p, GREEDY):
-            toks += out.delta_token_ids
-        return toks
-
-    return [asyncio.run(one(p)) for p in prompts]
+def test_restart_loads_compiled_steps_from_disk(tmp_path):
+    """A second engine with the same settings neither traces nor compiles: its executables come from disk."""
+    settings = dict(model="m3-tiny", dtype="float32", max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16,
+                    progress=False, compilation_cache_dir=str(tmp_path))
+    first = EngineCore(Settings(**settings))
+    assert [e["how"] for e in first.runner.compile_log] == ["compiled", "compiled"]
+    with count_compiles() as compiles:
+        second = EngineCore(Settings(**settings))
+    assert [e["how"] for e in second.runner.compile_log] == ["loaded", "loaded"]
+    assert compiles and not [c for c in compiles if "_step" in c["fun_name"]]  # only start-up helpers compile
+    other = EngineCore(Settings(**{**settings, "max_num_seqs": 3}))  # another shape: another key
+    assert [e["how"] for e in other.runner.compile_log] == ["compiled", "compiled"]
+    tokens = []
+    for core in (first, second):
+        req, _ = core.prepare([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=5))
+        core.submit(req)
+        outs = []
+        while core.has_work():
+            outs += core.step()
+        assert outs[-1].finished
+        tokens.append(outs[-1].outputs[0].token_ids)
+    assert tokens[0] == tokens[1] and len(tokens[0]) == 5

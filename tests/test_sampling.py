@@ -1,7 +1,7 @@
 """On-device sampling: greedy, seeds, batch invariance, filters, penalties, logprobs, validation.
 
 Few distinct shapes on purpose (each costs a compile): V = 16 everywhere, max_logprobs = 3, and batches of
-1 row (no history), 5 rows (history width 16) and 2048 rows (no history) for the empirical checks.
+1, 5 and 2048 rows (the last for the empirical checks).
 """
 
 from __future__ import annotations
@@ -14,8 +14,11 @@ import numpy as np
 import pytest
 
 from serving.sampling import (
+    HistoryRows,
+    PenaltyHistory,
     SamplingTensors,
     apply_penalties,
+    record_history,
     sample,
     validate_sampling,
 )
@@ -39,8 +42,8 @@ class P:
     seed: int | None = 0
 
 
-def run(logits: np.ndarray, t: SamplingTensors):
-    out = _sample(jnp.asarray(logits, jnp.float32), t, max_logprobs=K_LOGPROBS)
+def run(logits: np.ndarray, t: SamplingTensors, history: PenaltyHistory | None = None):
+    out = _sample(jnp.asarray(logits, jnp.float32), t, max_logprobs=K_LOGPROBS, history=history)
     return jax.tree.map(np.asarray, out)
 
 
@@ -72,7 +75,7 @@ def top_ids(n: int) -> set[int]:
 def test_greedy_is_argmax_and_logprobs_are_raw_log_softmax() -> None:
     logits = random_logits(N_EMPIRICAL, seed=0)
     logits[0, [3, 9]] = logits[0].max() + 1.0  # a tie: argmax takes the lower id
-    t = SamplingTensors.build([P()] * N_EMPIRICAL, None, [0] * N_EMPIRICAL, N_EMPIRICAL)
+    t = SamplingTensors.build([P()] * N_EMPIRICAL, [0] * N_EMPIRICAL, N_EMPIRICAL)
     out = run(logits, t)
     np.testing.assert_array_equal(out.tokens, logits.argmax(-1))
     assert out.tokens[0] == 3
@@ -92,28 +95,28 @@ def test_seeded_sampling_is_reproducible_and_batch_invariant() -> None:
         None,  # the target goes here
         P(temperature=1.2, seed=1234, min_p=0.2),  # same seed as the target, different step
     ]
-    hist = ([1, 2, 3], [4, 4, 5])
+    history = PenaltyHistory.from_histories([([1, 2, 3], [4, 4, 5])], V)
     for target in (P(temperature=0.9, seed=1234), P(temperature=0.9, seed=(1 << 40) + 1234, top_p=0.9)):
         alone, batched = [], []
         for step in range(8):
-            t1 = SamplingTensors.build([target], None, [step], 1)
+            t1 = SamplingTensors.build([target], [step], 1)
             alone.append(run(target_logits[None], t1).tokens[0])
             params = [target if p is None else p for p in neighbour_params]
-            t5 = SamplingTensors.build(params, [None, None, hist, None, None], [3, 1, 4, step, 0], 5)
+            t5 = SamplingTensors.build(params, [3, 1, 4, step, 0], 5, slots=[-1, -1, 0, -1, -1], num_slots=1)
             logits = neighbours.copy()
             logits[3] = target_logits
-            out = run(logits, t5)
+            out = run(logits, t5, history)
             batched.append(out.tokens[3])
             assert out.tokens[0] == logits[0].argmax()  # greedy next to sampled / penalised rows
         assert alone == batched
         assert len(set(alone)) > 3  # the step changes the draw
         # Same seed and step again: same token.
-        again = run(target_logits[None], SamplingTensors.build([target], None, [5], 1)).tokens[0]
+        again = run(target_logits[None], SamplingTensors.build([target], [5], 1)).tokens[0]
         assert again == alone[5]
 
 
 def test_seed_words_are_jax_key_data() -> None:
-    t = SamplingTensors.build([P(seed=12345), P(seed=(7 << 32) | 9), P(seed=-1)], None, [0, 0, 0], 4)
+    t = SamplingTensors.build([P(seed=12345), P(seed=(7 << 32) | 9), P(seed=-1)], [0, 0, 0], 4)
     np.testing.assert_array_equal(t.seeds[0], jax.random.key_data(jax.random.key(12345)))
     np.testing.assert_array_equal(t.seeds[1], [7, 9])
     np.testing.assert_array_equal(t.seeds[2], [0xFFFFFFFF, 0xFFFFFFFF])
@@ -125,7 +128,7 @@ def test_seed_words_are_jax_key_data() -> None:
 
 def sample_many(logits_row: np.ndarray, **params: float) -> np.ndarray:
     rows = [P(seed=1000 + i, **{"temperature": 1.0, **params}) for i in range(N_EMPIRICAL)]
-    t = SamplingTensors.build(rows, None, [3] * N_EMPIRICAL, N_EMPIRICAL)
+    t = SamplingTensors.build(rows, [3] * N_EMPIRICAL, N_EMPIRICAL)
     return run(np.broadcast_to(logits_row, (N_EMPIRICAL, V)), t).tokens
 
 
@@ -186,13 +189,15 @@ def test_penalties_change_the_argmax() -> None:
         P(frequency_penalty=0.2),  # 2 three times in the output: 1.0 - 0.6 = 0.4 < 0.5
     ]
     hists = [([2, 7], [9]), ([7], [2]), ([0], [2]), ([2, 2], [9]), ([], [2, 11, 2, 2])]
-    t = SamplingTensors.build(params, hists, [1, 1, 1, 1, 4], 5)
-    out = run(base, t)
+    history = PenaltyHistory.from_histories(hists, V)
+    t = SamplingTensors.build(params, [1, 1, 1, 1, 4], 5, slots=range(5), num_slots=5)
+    out = run(base, t, history)
     np.testing.assert_array_equal(out.tokens, [5, 5, 5, 2, 5])
     # Logprobs stay those of the raw model.
     np.testing.assert_allclose(out.logprobs, log_softmax(base)[np.arange(5), out.tokens], atol=1e-5)
 
-    penalised = np.asarray(apply_penalties(jnp.asarray(base), jax.tree.map(jnp.asarray, t)))
+    penalised = np.asarray(apply_penalties(jnp.asarray(base), jax.tree.map(jnp.asarray, t),
+                                           jax.tree.map(jnp.asarray, history)))
     np.testing.assert_allclose(penalised[0, [2, 7, 9]], [2.0 / 1.2, -3.0 * 1.2, -3.0 * 1.2], rtol=1e-6)
     np.testing.assert_allclose(penalised[4, [2, 5, 11]], [1.0 - 0.6, 0.5, -3.0 - 0.2], rtol=1e-6)
     # Row 3: the prompt-only token 2 is untouched, the output token 9 pays the presence penalty once.
@@ -202,30 +207,47 @@ def test_penalties_change_the_argmax() -> None:
 # ---- builder -----------------------------------------------------------------------------------------------
 
 
-def test_builder_pads_and_buckets() -> None:
-    t = SamplingTensors.build([P(temperature=0.7, top_k=-1, seed=None)], None, [4], 4)
-    assert t.num_rows == 4 and t.hist_ids.shape == (4, 0)
+def test_history_recorded_on_the_device_equals_the_host_tables() -> None:
+    """Steps that feed a request's prompt in chunks and then its outputs one by one build exactly the tables of
+    its (prompt, output); a row that starts over (position 0: preemption) clears its slot first; untracked rows
+    and padding record nothing."""
+    prompt, output = [3, 5, 5, 9, 1, 12], [5, 7, 7, 2]
+    h = jax.tree.map(jnp.asarray, PenaltyHistory.empty(3, V))
+    step = jax.jit(record_history)
+
+    def feed(h, start, tokens, pad=3):
+        n = len(tokens)
+        rows = HistoryRows(np.array([1, 3], np.int32), np.array([len(prompt), 0], np.int32),
+                           np.array([start == 0, True]))
+        ids = np.array(tokens + [4] * pad, np.int32)
+        token_row = np.array([0] * n + [1] * pad, np.int32)  # row 1: untracked (slot 3 = past the tables)
+        pos = np.array(list(range(start, start + n)) + [0] * pad, np.int32)
+        return step(h, rows, ids, token_row, pos, np.int32(n + pad))
+
+    h = feed(h, 0, [13, 14, 15])  # stale history from an earlier owner of the slot ...
+    seq = prompt + output
+    for start, end in ((0, 4), (4, 6), (6, 7), (7, 8), (8, 9), (9, 10)):  # ... cleared by the new start
+        h = feed(h, start, seq[start:end])
+    want = PenaltyHistory.from_histories([([], []), (prompt, output), ([], [])], V)
+    np.testing.assert_array_equal(np.asarray(h.seen), want.seen)
+    np.testing.assert_array_equal(np.asarray(h.counts), want.counts)
+
+
+def test_builder_pads_and_checks() -> None:
+    t = SamplingTensors.build([P(temperature=0.7, top_k=-1, seed=None)], [4], 4, num_slots=2)
+    assert t.num_rows == 4
     assert t.top_k[0] == 0 and t.step[0] == 4
+    np.testing.assert_array_equal(t.slot, 2)  # no penalty: no history slot
     np.testing.assert_array_equal(t.temperature[1:], 0.0)  # padding rows are greedy with everything off
     np.testing.assert_array_equal(t.top_p[1:], 1.0)
     np.testing.assert_array_equal(t.repetition_penalty[1:], 1.0)
-
-    prompt, output = list(range(100, 120)), [5, 5, 6]
-    t = SamplingTensors.build(
-        [P(repetition_penalty=1.1), P(presence_penalty=0.1)], [(prompt, output)] * 2, [3, 3], 2
-    )
-    assert t.hist_ids.shape == (2, 32)  # 22 distinct ids -> bucket 32
-    assert sorted(t.hist_ids[0][t.hist_ids[0] >= 0]) == [5, 6, *prompt]
-    assert t.hist_ids[1][:2].tolist() == [5, 6] and t.hist_counts[1][:2].tolist() == [2, 1]
-    assert (t.hist_ids[1][2:] == -1).all()  # no prompt ids without a repetition penalty
-    assert t.hist_counts[0].sum() == 3
+    t = SamplingTensors.build([P(), P(presence_penalty=0.1)], [3, 3], 2, slots=[-1, 1], num_slots=2)
+    assert t.slot.tolist() == [2, 1]
 
     with pytest.raises(ValueError, match="num_rows_bucket"):
-        SamplingTensors.build([P(), P()], None, [0, 0], 1)
-    with pytest.raises(ValueError, match="history"):
-        SamplingTensors.build([P(frequency_penalty=0.5)], None, [0], 1)
-    with pytest.raises(ValueError, match="history_bucket"):
-        SamplingTensors.build([P(repetition_penalty=1.1)], [(prompt, output)], [0], 1, history_bucket=16)
+        SamplingTensors.build([P(), P()], [0, 0], 1)
+    with pytest.raises(ValueError, match="history slot"):
+        SamplingTensors.build([P(frequency_penalty=0.5)], [0], 1)
 
 
 # ---- validation --------------------------------------------------------------------------------------------

@@ -1,11 +1,13 @@
 """The scheduler alone (no JAX): chunked prefill under the token budget, running cap, FCFS, preemption by
-recompute, stop conditions, abort, and every page back in the pool at the end."""
+recompute, stop conditions, abort, every page and slot back at the end, and async scheduling (step N+1
+scheduled before step N's tokens are known) giving exactly the synchronous outputs."""
 
+import numpy as np
 import pytest
 
 from serving.kv_cache import PageAllocator
-from serving.request import FinishReason, Request, Status
-from serving.scheduler import Scheduler, SchedulerConfig
+from serving.request import PLACEHOLDER, FinishReason, Request, Status
+from serving.scheduler import ModelRunnerOutput, Scheduler, SchedulerConfig
 
 
 def make(pages=64, seqs=4, budget=32, max_len=256, ps=8):
@@ -16,18 +18,50 @@ def req(i, n=10, max_tokens=5, **kw):
     return Request(f"r{i}", list(range(1, n + 1)), max_tokens, eos_token_ids=frozenset({0}), **kw)
 
 
-def run(s, next_token=lambda r: 7, max_steps=1000):
-    """Drive the scheduler with a fake model; returns the plans."""
-    plans = []
+class FakeModel:
+    """Samples a token from each sampling row's full history, as the device would: the prompt plus every token
+    it sampled before for that request (so placeholders are resolved on the 'device', as in the engine)."""
+
+    def __init__(self, next_token):
+        self.next_token = next_token
+        self.sampled: dict[int, list[int]] = {}
+
+    def run(self, s, scheduled):
+        seqs, toks = [], []
+        for row in scheduled.rows:
+            mine = self.sampled.setdefault(row.seq, [])
+            req = s.get_by_seq(row.seq)
+            history = req.prompt_ids + mine[:row.num_output]
+            for k, t in enumerate(row.token_ids):  # a placeholder is the token the last step sampled
+                pos = row.start + k
+                assert t == (history[pos] if t != PLACEHOLDER else PLACEHOLDER)
+            if row.sample:
+                tok = self.next_token(req, history)
+                del mine[row.num_output:]
+                mine.append(tok)
+                seqs.append(row.seq)
+                toks.append(tok)
+        return ModelRunnerOutput(seqs, np.asarray(toks, np.int32))
+
+
+def run(s, next_token=lambda r, h: 7, async_scheduling=False, max_steps=1000, model=None):
+    """Drive the scheduler with a fake model, synchronously or one step ahead; returns the schedules."""
+    model, schedules, inflight = model or FakeModel(next_token), [], None
     for _ in range(max_steps):
-        if not s.has_work():
-            return plans
-        plan = s.schedule()
-        assert plan.rows or plan.preempted
-        assert plan.num_tokens <= s.config.max_num_batched_tokens
-        assert len(plan.rows) <= s.config.max_num_seqs
-        s.update(plan, {r.request.request_id: next_token(r.request) for r in plan.rows if r.sample})
-        plans.append(plan)
+        if not s.has_work() and inflight is None:
+            return schedules
+        scheduled = s.schedule()
+        assert scheduled.num_tokens <= s.config.max_num_batched_tokens
+        assert len(scheduled.rows) <= s.config.max_num_seqs
+        launched = model.run(s, scheduled) if scheduled.rows else None
+        if scheduled.rows or scheduled.preempted:
+            schedules.append(scheduled)
+        if async_scheduling:
+            if inflight is not None:
+                s.update(inflight)
+            inflight = launched
+        elif launched is not None:
+            s.update(launched)
     raise AssertionError("did not finish")
 
 
@@ -36,7 +70,7 @@ def test_chunked_prefill_and_budget():
     r = req(0, n=40, max_tokens=3)
     s.add(r)
     plans = run(s)
-    chunks = [(p.rows[0].start, len(p.rows[0].tokens), p.rows[0].sample) for p in plans]
+    chunks = [(p.rows[0].start, len(p.rows[0].token_ids), p.rows[0].sample) for p in plans]
     assert chunks[:3] == [(0, 16, False), (16, 16, False), (32, 8, True)]
     assert chunks[3:] == [(40, 1, True), (41, 1, True)]
     assert r.output_ids == [7, 7, 7] and r.finish_reason is FinishReason.LENGTH
@@ -49,20 +83,27 @@ def test_running_cap_and_fcfs():
     for r in reqs:
         s.add(r)
     first = s.schedule()
-    assert [row.request.request_id for row in first.rows] == ["r0", "r1"]
-    s.update(first, {row.request.request_id: 7 for row in first.rows})
-    run(s)
+    assert [row.seq for row in first.rows] == [reqs[0].seq, reqs[1].seq]
+    assert sorted(row.slot for row in first.rows) == [0, 1]
+    model = FakeModel(lambda r, h: 7)
+    s.update(model.run(s, first))
+    run(s, model=model)
     assert all(r.finish_reason is FinishReason.LENGTH for r in reqs)
+    assert sorted(s._free_slots) == [0, 1]
 
 
-def test_preemption_by_recompute_keeps_outputs():
+def _history_model(r, history):
+    return (sum(history) * 31 + len(history)) % 50 + 1  # depends on the whole history, like greedy decoding
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_preemption_by_recompute_keeps_outputs(async_scheduling):
     # 6 usable pages of 8 tokens; three requests that each grow to 3-4 pages cannot all stay resident.
     s = make(pages=7, seqs=8, budget=64, ps=8)
     reqs = [req(i, n=12, max_tokens=14) for i in range(3)]
     for r in reqs:
         s.add(r)
-    # The "model": the next token depends only on the full token history, like greedy decoding.
-    plans = run(s, next_token=lambda r: (sum(r.all_ids) * 31 + len(r.all_ids)) % 50 + 1)
+    plans = run(s, next_token=_history_model, async_scheduling=async_scheduling)
     assert any(p.preempted for p in plans)
     assert sum(r.num_preemptions for r in reqs) > 0
     alone = []
@@ -70,13 +111,15 @@ def test_preemption_by_recompute_keeps_outputs():
         s2 = make(pages=64)
         r2 = req(i, n=12, max_tokens=14)
         s2.add(r2)
-        run(s2, next_token=lambda r: (sum(r.all_ids) * 31 + len(r.all_ids)) % 50 + 1)
+        run(s2, next_token=_history_model)
         alone.append(r2.output_ids)
     assert [r.output_ids for r in reqs] == alone
     assert s.allocator.num_used == 0 and s.allocator.num_free == 6
+    assert all(r.num_placeholders == 0 for r in reqs)
 
 
-def test_stop_conditions():
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_stop_conditions(async_scheduling):
     s = make(max_len=16)
     eos = req(0, max_tokens=50)
     stop_tok = req(1, max_tokens=50, stop_token_ids=frozenset({9}))
@@ -85,11 +128,39 @@ def test_stop_conditions():
     for r in (eos, stop_tok, ignore, long):
         s.add(r)
     tokens = {"r0": 0, "r1": 9, "r2": 0, "r3": 5}
-    run(s, next_token=lambda r: tokens[r.request_id])
-    assert eos.finish_reason is FinishReason.STOP and eos.output_ids == [0]
-    assert stop_tok.finish_reason is FinishReason.STOP and stop_tok.output_ids == [9]
+    run(s, next_token=lambda r, h: tokens[r.request_id], async_scheduling=async_scheduling)
+    assert eos.finish_reason is FinishReason.STOP and eos.output_ids == [0] and eos.stop_reason is None
+    assert stop_tok.finish_reason is FinishReason.STOP and stop_tok.output_ids == [9] and stop_tok.stop_reason == 9
     assert ignore.finish_reason is FinishReason.LENGTH and ignore.output_ids == [0] * 4
     assert long.finish_reason is FinishReason.LENGTH and long.num_tokens == 16
+    assert s.allocator.num_used == 0
+
+
+def test_async_schedules_ahead_with_placeholders():
+    """The second schedule runs before the first step's tokens are known: its decode rows carry placeholders,
+    and max_tokens is never overshot."""
+    s = make(budget=64)
+    a = req(0, n=5, max_tokens=2)
+    s.add(a)
+    first = s.schedule()
+    assert first.rows[0].token_ids == [1, 2, 3, 4, 5] and a.num_placeholders == 1
+    second = s.schedule()
+    assert second.rows[0].token_ids == [PLACEHOLDER] and second.rows[0].start == 5 and a.num_placeholders == 2
+    assert not s.schedule().rows  # both tokens it may have are in flight: nothing more to run
+    s.update(ModelRunnerOutput([a.seq], np.array([7])))
+    s.update(ModelRunnerOutput([a.seq], np.array([8])))
+    assert a.output_ids == [7, 8] and a.finish_reason is FinishReason.LENGTH
+
+
+def test_late_result_of_a_finished_request_is_dropped():
+    s = make()
+    a = req(0, max_tokens=100)
+    s.add(a)
+    first = s.schedule()
+    s.finish(a, FinishReason.ABORT)
+    s.add(req(0, max_tokens=100))  # the same client id again: a new admission
+    assert s.update(ModelRunnerOutput([first.rows[0].seq], np.array([7]))) == []
+    assert a.output_ids == []
 
 
 def test_abort_frees_pages_and_bad_requests_are_refused():
@@ -98,9 +169,10 @@ def test_abort_frees_pages_and_bad_requests_are_refused():
     s.add(a)
     s.add(b)
     plan = s.schedule()
-    s.update(plan, {"r0": 7, "r1": 7})
-    assert s.abort("r0") is a and a.finish_reason is FinishReason.ABORT and a.status is Status.FINISHED
-    assert s.abort("r0") is None and s.abort("nope") is None
+    s.update(ModelRunnerOutput([r.seq for r in plan.rows], np.array([7, 7])))
+    s.finish(a, FinishReason.ABORT)
+    assert a.finish_reason is FinishReason.ABORT and a.status is Status.FINISHED and s.get("r0") is None
+    s.finish(a, FinishReason.ABORT)  # a second end changes nothing
     assert s.allocator.num_used == len(b.pages)
     with pytest.raises(ValueError, match="empty"):
         s.add(Request("x", [], 5))
@@ -112,5 +184,5 @@ def test_abort_frees_pages_and_bad_requests_are_refused():
         s.add(req(1))
     with pytest.raises(ValueError, match="KV cache holds"):
         make(pages=3).add(req(5, n=10, max_tokens=100))
-    s.abort("r1")
+    s.finish(b, FinishReason.ABORT)
     assert s.allocator.num_used == 0 and not s.has_work()

@@ -1,0 +1,194 @@
+"""`Settings`: the one configuration object of m3jax. Every knob of model loading, the engine, the kernels and the
+servers is declared here once, with its type, default and help text.
+
+Everything else derives from it:
+- `m3jax serve` and `m3jax generate` get their flags from `add_arguments` (a flag per field, named after it);
+- `serving.LLM(**kwargs)` takes the same names (`Settings.from_kwargs` refuses an unknown one by name);
+- the engine, the model loader, the kernel dispatch and the servers read the fields they need.
+
+Environment variables only set defaults, read once when a `Settings` is built: M3JAX_ATTENTION_IMPL and
+M3JAX_MOE_IMPL (kernel choice), M3JAX_COMPILATION_CACHE (cache directory), M3JAX_API_KEY, M3JAX_NO_PROGRESS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from pallas_kernels.choice import CHOICES as KERNEL_CHOICES
+from pallas_kernels.choice import KernelChoice
+
+MODEL, ENGINE, KERNELS, SERVER = "model", "engine", "kernels", "server"
+GROUP_TITLES = {MODEL: "model", ENGINE: "engine", KERNELS: "kernels", SERVER: "server"}
+
+
+def _env(name: str, default: Any = None) -> Any:
+    value = os.environ.get(name, "").strip()
+    return value if value else default
+
+
+def knob(default: Any, help: str, group: str, *, choices: tuple[Any, ...] | None = None,  # noqa: A002
+         env: str | None = None, metavar: str | None = None) -> Any:
+    """A field of Settings: its default (from `env` when set), help text, CLI group and allowed values."""
+    meta = {"help": help, "group": group, "choices": choices, "env": env, "metavar": metavar}
+    if env is not None:
+        return dataclasses.field(default_factory=lambda: _env(env, default), metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    # ---- model ----
+    model: str | None = knob(None, "checkpoint directory (Hugging Face layout) or preset name (random weights: "
+                             "m3-full, m3-slice, m3-tiny); default: the embedded tiny model", MODEL, metavar="DIR")
+    dtype: str = knob("auto", "compute dtype of weights and activations (auto: bfloat16 on a GPU, float32 on the "
+                      "CPU)", MODEL, choices=("auto", "bfloat16", "float32"))
+    tensor_parallel_size: int = knob(1, "devices to shard the model over (tensor parallelism)", MODEL)
+    expert_parallel: bool = knob(False, "split the routed experts over the devices instead of their width", MODEL)
+    moe_weight_format: str = knob("bf16", "how the MoE kernels hold expert weights on the device (mxfp8 / mxfp4: "
+                                  "8 / 4 bits, widened inside the kernel)", MODEL, choices=("bf16", "mxfp8", "mxfp4"))
+    seed: int = knob(0, "seed of preset models' random weights and of unseeded requests' sampling seeds", MODEL)
+    # ---- engine ----
+    max_model_len: int | None = knob(None, "longest request, prompt plus output, in tokens (default: the "
+                                     "checkpoint's limit, at most 4096)", ENGINE)
+    max_num_seqs: int = knob(16, "requests running at once (rows of a step)", ENGINE)
+    max_num_batched_tokens: int = knob(256, "tokens per step (prefill chunks plus decodes)", ENGINE)
+    kv_cache_pages: int | None = knob(None, "KV cache pages of one MSA block each (default: every running request "
+                                      "at the full model length, or --kv-cache-memory-gb)", ENGINE)
+    kv_cache_memory_gb: float | None = knob(None, "KV cache size in GiB (instead of --kv-cache-pages)", ENGINE)
+    compilation_cache_dir: str | None = knob(
+        str(Path.home() / ".cache" / "m3jax"), "where compiled steps are kept between runs (serialized "
+        "executables and XLA's cache), so a restart neither traces nor compiles", ENGINE,
+        env="M3JAX_COMPILATION_CACHE", metavar="DIR")
+    enable_compilation_cache: bool = knob(True, "keep compiled steps on disk (see --compilation-cache-dir)", ENGINE)
+    async_scheduling: bool = knob(True, "prepare step N+1 on the host while the device runs step N", ENGINE)
+    warmup: bool = knob(True, "compile every step shape at start-up, so serving never compiles", ENGINE)
+    progress: bool | None = knob(None, "progress bars for loading and compiling (default: when stderr is a "
+                                 "terminal and M3JAX_NO_PROGRESS is not 1)", ENGINE)
+    # ---- kernels ----
+    attention_kernels: str = knob("auto", "attention, MSA index + top-k, block-sparse attention and KV writes "
+                                  "(auto: Pallas on a GPU, jnp references elsewhere; interpret: the Pallas "
+                                  "kernels in the interpreter)", KERNELS, choices=KERNEL_CHOICES,
+                                  env="M3JAX_ATTENTION_IMPL")
+    moe_kernels: str = knob("auto", "the MoE grouped GEMMs (auto: Pallas on one GPU, jnp references elsewhere)",
+                            KERNELS, choices=KERNEL_CHOICES, env="M3JAX_MOE_IMPL")
+    # ---- server ----
+    host: str = knob("127.0.0.1", "address both servers bind (default: loopback only)", SERVER)
+    grpc_port: int = knob(50051, "gRPC port (0: any free port; -1: no gRPC server)", SERVER)
+    http_port: int = knob(8000, "OpenAI-compatible HTTP port (0: any free port; -1: no HTTP server)", SERVER)
+    served_model_name: str | None = knob(None, "the name clients pass as `model` (default: --model as given, or "
+                                         "m3jax/tiny)", SERVER)
+    max_queue: int = knob(256, "requests admitted and not finished, across both servers; past it: HTTP 429 / "
+                          "RESOURCE_EXHAUSTED", SERVER)
+    api_key: str | None = knob(None, "require `Authorization: Bearer KEY` on /v1/* and as gRPC metadata", SERVER,
+                               env="M3JAX_API_KEY", metavar="KEY")
+    shutdown_timeout: float = knob(30.0, "seconds in-flight requests get to finish on SIGINT / SIGTERM before "
+                                   "they are aborted", SERVER)
+    log_level: str = knob("INFO", "logging level", SERVER, choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            choices = f.metadata["choices"]
+            if choices is not None and value not in choices:
+                raise ValueError(f"{flag(f.name)}: {value!r} is not one of {', '.join(map(str, choices))}")
+        positive = ("tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens", "max_queue")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{flag(name)} must be at least 1, got {getattr(self, name)}")
+        for name in ("max_model_len", "kv_cache_pages"):
+            if getattr(self, name) is not None and getattr(self, name) < 2:
+                raise ValueError(f"{flag(name)} must be at least 2, got {getattr(self, name)}")
+        if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
+            raise ValueError(f"{flag('kv_cache_memory_gb')} must be positive, got {self.kv_cache_memory_gb}")
+        if self.kv_cache_pages is not None and self.kv_cache_memory_gb is not None:
+            raise ValueError(f"give {flag('kv_cache_pages')} or {flag('kv_cache_memory_gb')}, not both")
+        for name in ("grpc_port", "http_port"):
+            if not -1 <= getattr(self, name) <= 65535:
+                raise ValueError(f"{flag(name)} must be a port in 0..65535 (or -1 for none), got "
+                                 f"{getattr(self, name)}")
+        if self.shutdown_timeout < 0:
+            raise ValueError(f"{flag('shutdown_timeout')} must be >= 0, got {self.shutdown_timeout}")
+
+    # ---- derived values ---------------------------------------------------------------------------------------
+    def compute_dtype(self) -> str:
+        if self.dtype != "auto":
+            return self.dtype
+        import jax
+
+        return "bfloat16" if jax.default_backend() == "gpu" else "float32"
+
+    def kernel_choice(self) -> KernelChoice:
+        """The static kernel choice of the forward, resolved for this backend and device count."""
+        return KernelChoice(self.attention_kernels, self.moe_kernels).resolve(self.tensor_parallel_size)
+
+    def show_progress(self) -> bool:
+        if self.progress is not None:
+            return self.progress
+        return os.environ.get("M3JAX_NO_PROGRESS") != "1" and sys.stderr.isatty()
+
+    def replace(self, **changes: Any) -> Settings:
+        return dataclasses.replace(self, **changes)
+
+    # ---- building one ---------------------------------------------------------------------------------------------
+    @classmethod
+    def field_names(cls, groups: tuple[str, ...] | None = None) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls) if groups is None or f.metadata["group"] in groups]
+
+    @classmethod
+    def from_kwargs(cls, groups: tuple[str, ...] | None = None, **kwargs: Any) -> Settings:
+        """Settings from keyword arguments (LLM's); an unknown name is a TypeError that suggests the nearest."""
+        known = cls.field_names(groups)
+        for name in kwargs:
+            if name not in known:
+                near = difflib.get_close_matches(name, known, n=1)
+                hint = f" (did you mean {near[0]!r}?)" if near else ""
+                raise TypeError(f"unknown setting {name!r}{hint}; the settings are: {', '.join(known)}")
+        return cls(**kwargs)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> Settings:
+        """Settings from parsed flags (`add_arguments`); fields without a flag keep their defaults."""
+        return cls(**{n: getattr(args, n) for n in cls.field_names() if hasattr(args, n)})
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_arguments(parser: argparse.ArgumentParser, groups: tuple[str, ...] = (MODEL, ENGINE, KERNELS, SERVER)
+                  ) -> None:
+    """One flag per Settings field of `groups`, with its help text and default shown."""
+    defaults = Settings()
+    for group in groups:
+        g = parser.add_argument_group(GROUP_TITLES[group])
+        for f in dataclasses.fields(Settings):
+            if f.metadata["group"] != group:
+                continue
+            default = getattr(defaults, f.name)
+            shown = f"{default}" if default is not None else "unset"
+            env = f.metadata["env"]
+            help_text = f"{f.metadata['help']} (default: {shown}{f'; env {env}' if env else ''})"
+            if f.type in ("bool", bool):
+                g.add_argument(flag(f.name), dest=f.name, action=argparse.BooleanOptionalAction, default=default,
+                               help=help_text)
+            elif f.type in ("bool | None",):
+                g.add_argument(flag(f.name), dest=f.name, action=argparse.BooleanOptionalAction, default=None,
+                               help=help_text)
+            else:
+                g.add_argument(flag(f.name), dest=f.name, type=_parser_type(f.type), default=default,
+                               choices=f.metadata["choices"], metavar=f.metadata["metavar"], help=help_text)
+
+
+def _parser_type(annotation: Any) -> Any:
+    text = str(annotation)
+    if text.startswith("int"):
+        return int
+    if text.startswith("float"):
+        return float
+    return str

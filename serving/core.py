@@ -1,0 +1,364 @@
+"""The engine core: the scheduler and the model executor, stepped by exactly one thread.
+
+    clients (LLM, AsyncEngine -> gRPC / HTTP servers)
+        | prepare(): validate + tokenise, on the client's thread      ^ RequestOutput, through the request's sink
+        v submit() / abort(): a thread-safe inbox                      |
+    EngineCore thread: drain inbox -> Scheduler.schedule() -> ModelRunner.launch(step N)
+                       -> ModelRunner.collect(step N-1) -> Scheduler.update() (stops) -> outputs to sinks
+
+With async scheduling the core dispatches step N before it collects step N-1, so the host's work for one step
+(scheduling, batch assembly, detokenisation, output) overlaps the device's work on the next; greedy and seeded
+outputs are unchanged (serving/scheduler.py says how placeholders make that exact).
+
+Nothing outside this module touches the scheduler, the executor or a request's state: clients hold a request
+id and receive `RequestOutput`s; the servers read load figures through the read-only properties below.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import random
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from m3jax.api import M3Model, embedded_model_path, load_model
+from m3jax.batch import KVPages
+from m3jax.config import PRESETS
+from m3jax.settings import Settings
+from serving.executables import enable_xla_cache
+from serving.kv_cache import PageAllocator
+from serving.outputs import CompletionOutput, Logprob, RequestOutput, SamplingParams
+from serving.request import FinishReason, Request
+from serving.runner import InFlight, ModelRunner, StepFailed
+from serving.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from serving.stopping import TextState
+from serving.tokenizer import IncrementalDetokenizer, M3Tokenizer, StopChecker, TokenizerMissing
+
+log = logging.getLogger(__name__)
+
+Prompt = str | Sequence[int]
+Sink = Callable[[RequestOutput], None]
+
+
+def load(settings: Settings) -> tuple[M3Model, M3Tokenizer | None]:
+    """The model (checkpoint directory, preset with random weights, or the embedded model) and its tokenizer."""
+    dtype = settings.compute_dtype()
+    kernels = settings.kernel_choice()
+    if settings.model in PRESETS:
+        from m3jax.params import init_params
+
+        mcfg = PRESETS[settings.model]
+        params = init_params(mcfg, seed=settings.seed, dtype=dtype)
+        return M3Model.create(mcfg, params, dtype, settings.tensor_parallel_size, settings.expert_parallel,
+                              moe_weight_format=settings.moe_weight_format, kernels=kernels), None
+    path = Path(settings.model) if settings.model is not None else embedded_model_path()
+    if not path.is_dir():
+        raise FileNotFoundError(f"model {settings.model!r} is neither a checkpoint directory nor a preset "
+                                f"({', '.join(PRESETS)})")
+    model = load_model(path, dtype=dtype, tensor_parallel_size=settings.tensor_parallel_size,
+                       expert_parallel=settings.expert_parallel, moe_weight_format=settings.moe_weight_format,
+                       kernels=kernels)
+    try:
+        tokenizer = M3Tokenizer.from_dir(path)
+    except TokenizerMissing:
+        log.warning("%s has no tokenizer.json: only token-id prompts can be served", path)
+        tokenizer = None
+    return model, tokenizer
+
+
+@dataclasses.dataclass
+class _Client:
+    """What the core keeps for a request's outputs beyond the scheduler's state."""
+
+    req: Request
+    prompt: str | None
+    sink: Sink | None
+    sent_tokens: int = 0
+    logprobs: list[Logprob] | None = None
+
+
+class EngineCore:
+    def __init__(self, settings: Settings, model: M3Model | None = None, tokenizer: M3Tokenizer | None = None):
+        self.settings = settings
+        cache_dir = None
+        if settings.enable_compilation_cache and settings.compilation_cache_dir:
+            cache_dir = Path(settings.compilation_cache_dir).expanduser()
+            enable_xla_cache(cache_dir / "xla")
+        if model is None:
+            model, tokenizer = load(settings)
+        self.model, self.tokenizer = model, tokenizer
+        mcfg = model.cfg
+        self.max_model_len = min(settings.max_model_len or min(mcfg.max_position_embeddings, 4096),
+                                 mcfg.max_position_embeddings)
+        self.eos_token_ids = frozenset(mcfg.eos_token_ids) | frozenset(tokenizer.eos_token_ids if tokenizer else ())
+        num_pages = self._num_pages()
+        self.scheduler = Scheduler(
+            SchedulerConfig(settings.max_num_seqs, settings.max_num_batched_tokens, self.max_model_len,
+                            model.page_size), PageAllocator(num_pages))
+        self.runner = ModelRunner(model, num_pages, settings.max_num_seqs, settings.max_num_batched_tokens,
+                                  self.max_model_len, cache_dir)
+        self.warmup_seconds = self.runner.warmup(settings.show_progress()) if settings.warmup else 0.0
+        self.stats: collections.Counter[str] = collections.Counter()
+        self.last_step_seconds = 0.0
+        self._rng = random.Random(settings.seed)
+        self._clients: dict[int, _Client] = {}  # by Request.seq
+        self._by_id: dict[str, int] = {}  # request id -> seq, for aborts
+        self._inbox: collections.deque[tuple[str, Any]] = collections.deque()
+        self._inflight: InFlight | None = None
+        self._wake = threading.Event()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self._owner: int | None = None  # the one thread allowed to step
+
+    def _num_pages(self) -> int:
+        s = self.settings
+        if s.kv_cache_pages is not None:
+            return s.kv_cache_pages
+        if s.kv_cache_memory_gb is not None:
+            per_page = KVPages.bytes_per_page(self.model.cfg, self.model.dtype)
+            return max(2, int(s.kv_cache_memory_gb * 2**30 // per_page))
+        return 1 + s.max_num_seqs * -(-self.max_model_len // self.model.page_size)
+
+    # ---- requests in (any thread) --------------------------------------------------------------------------
+    def prepare(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
+                ) -> tuple[Request, str | None]:
+        """Validate and tokenise a request on the caller's thread: (Request, prompt text). ValueError names what
+        is wrong."""
+        params = dataclasses.replace(params) if params is not None else SamplingParams()
+        params.validate()
+        if params.seed is None:
+            # Fixed at admission so that a preempted, recomputed request draws the same tokens again.
+            params.seed = self._rng.getrandbits(63)
+        text: str | None = None
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: send the prompt as token ids")
+            text = prompt
+            try:
+                ids = self.tokenizer.encode(prompt)
+            except (TypeError, UnicodeError) as e:  # e.g. an unpaired UTF-16 surrogate from a JSON client
+                raise ValueError(f"the prompt is not valid text: {e}") from e
+        else:
+            ids = list(prompt)
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise ValueError("a token-id prompt must be a list of integers")
+            bad = [t for t in ids if not 0 <= t < self.model.cfg.vocab_size]
+            if bad:
+                raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.model.cfg.vocab_size})")
+        if not ids:
+            raise ValueError("the prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens; this server's model length is "
+                             f"{self.max_model_len} (prompt plus at least one generated token)")
+        detok = (IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+                 if self.tokenizer is not None else None)
+        req = Request(
+            request_id=request_id or uuid.uuid4().hex,
+            prompt_ids=ids,
+            max_tokens=min(params.max_tokens, self.max_model_len - len(ids)),
+            stop_token_ids=frozenset(params.stop_token_ids or ()),
+            ignore_eos=params.ignore_eos,
+            eos_token_ids=self.eos_token_ids,
+            sampling=params,
+            text=TextState(detok, StopChecker(params.stops)),
+        )
+        return req, text
+
+    def submit(self, req: Request, prompt_text: str | None = None, sink: Sink | None = None) -> str:
+        """Queue a prepared request (thread-safe); it joins at the next step. Its outputs go to `sink`, called
+        on the core's thread."""
+        self._inbox.append(("add", _Client(req, prompt_text, sink)))
+        self._wake.set()
+        return req.request_id
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (thread-safe): its pages are freed at the next step."""
+        self._inbox.append(("abort", request_id))
+        self._wake.set()
+
+    # ---- the loop -------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Run the step loop on a background thread (idempotent): from then on only that thread steps."""
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._loop, name="m3jax-engine-core", daemon=True)
+        self._owner = None
+        self._thread.start()
+
+    def _loop(self) -> None:
+        self._owner = threading.get_ident()
+        while not self._stop:
+            if not self.has_work():
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            try:
+                self.step()
+            except Exception:  # noqa: BLE001 - the loop must survive anything a step throws
+                log.exception("engine loop error")
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Let in-flight requests finish (up to `timeout` seconds), abort the rest, stop the loop."""
+        deadline = time.monotonic() + timeout
+        while self.has_work() and time.monotonic() < deadline and self._thread is not None:
+            time.sleep(0.01)
+        for rid in list(self._by_id):
+            self.abort(rid)
+        while self.has_work() and time.monotonic() < deadline + 5 and self._thread is not None:
+            time.sleep(0.01)
+        self._stop = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def has_work(self) -> bool:
+        return bool(self._inbox) or self.scheduler.has_work() or self._inflight is not None
+
+    def step(self) -> list[RequestOutput]:
+        """One turn of the loop: admit and abort, schedule and dispatch a step, then collect the previous one
+        (at once, without async scheduling). Returns the outputs it produced (also sent to the sinks)."""
+        me = threading.get_ident()
+        if self._owner is None:
+            self._owner = me
+        elif self._owner != me:
+            raise RuntimeError("EngineCore.step called from a second thread: one thread steps the core")
+        outputs: list[RequestOutput] = []
+        self._drain(outputs)
+        scheduled = self.scheduler.schedule()
+        self.stats["preemptions"] += len(scheduled.preempted)
+        launched = self._launch(scheduled, outputs) if scheduled.rows else None
+        if self._inflight is not None:
+            self._complete(self._inflight, outputs)
+        self._inflight = launched
+        if launched is not None and not self.settings.async_scheduling:
+            self._inflight = None
+            self._complete(launched, outputs)
+        return outputs
+
+    def _launch(self, scheduled: SchedulerOutput, outputs: list[RequestOutput]) -> InFlight | None:
+        t0 = time.perf_counter()
+        try:
+            step = self.runner.launch(scheduled)
+        except StepFailed as e:
+            self._fail_all(e, outputs)
+            return None
+        self.stats["steps"] += 1
+        self.stats["step_tokens"] += scheduled.num_tokens
+        self.last_step_seconds = time.perf_counter() - t0
+        return step
+
+    def _complete(self, step: InFlight, outputs: list[RequestOutput]) -> None:
+        try:
+            result = self.runner.collect(step)
+        except StepFailed as e:
+            self._fail_all(e, outputs)
+            return
+        now = time.monotonic()
+        for req, i in self.scheduler.update(result):
+            client = self._clients.get(req.seq)
+            if client is None:
+                continue
+            if req.first_token_time is None:
+                req.first_token_time = now
+            if client.logprobs is not None and result.logprobs is not None:
+                n = req.sampling.logprobs
+                top = {int(t): float(lp) for t, lp in zip(result.top_ids[i, :n], result.top_logprobs[i, :n],
+                                                           strict=True)}
+                client.logprobs.append(Logprob(int(result.token_ids[i]), float(result.logprobs[i]), top))
+            self._emit(client, outputs, req.finish_reason, delta_text=req.text.delta if req.text else "")
+
+    def _fail_all(self, error: Exception, outputs: list[RequestOutput]) -> None:
+        """A failed step lost the KV of every request with pages (and tokens in flight): fail them, keep
+        serving the rest."""
+        log.error("%s", error)
+        self._inflight = None
+        for client in list(self._clients.values()):
+            req = client.req
+            if req.pages or req.num_placeholders:
+                self.scheduler.finish(req, FinishReason.ERROR, str(error))
+                self._emit(client, outputs, FinishReason.ERROR, error=str(error))
+
+    def _drain(self, outputs: list[RequestOutput]) -> None:
+        while self._inbox:
+            kind, item = self._inbox.popleft()
+            if kind == "add":
+                client: _Client = item
+                try:
+                    self.scheduler.add(client.req)
+                except ValueError as e:
+                    self._emit(client, outputs, FinishReason.ERROR, error=str(e), rejected=True)
+                    continue
+                if client.req.sampling.logprobs is not None:
+                    client.logprobs = []
+                self._clients[client.req.seq] = client
+                self._by_id[client.req.request_id] = client.req.seq
+                self.stats["requests"] += 1
+            elif kind == "abort":
+                seq = self._by_id.get(item)
+                client = self._clients.get(seq) if seq is not None else None
+                if client is not None:
+                    self.scheduler.finish(client.req, FinishReason.ABORT)
+                    self._emit(client, outputs, FinishReason.ABORT)
+
+    def _emit(self, client: _Client, outputs: list[RequestOutput], reason: FinishReason | None,
+              delta_text: str = "", error: str | None = None, rejected: bool = False) -> None:
+        req = client.req
+        finished = reason is not None
+        ids = list(req.output_ids)
+        delta_ids = ids[client.sent_tokens:]
+        client.sent_tokens = len(ids)
+        metrics: dict[str, float] = {"arrival": req.arrival}
+        if req.first_token_time is not None:
+            metrics["first_token"] = req.first_token_time
+        if finished:
+            metrics["finished"] = time.monotonic()
+            if self._clients.get(req.seq) is client:
+                del self._clients[req.seq]
+                if self._by_id.get(req.request_id) == req.seq:
+                    del self._by_id[req.request_id]
+            self.stats[f"finished_{reason.value}"] += 1
+        text = req.text.text if req.text is not None else ""
+        out = RequestOutput(
+            request_id=req.request_id,
+            prompt=client.prompt,
+            prompt_token_ids=req.prompt_ids,
+            outputs=[CompletionOutput(0, text, ids, reason.value if reason else None,
+                                      list(client.logprobs) if client.logprobs is not None else None,
+                                      req.stop_reason if reason is FinishReason.STOP else None)],
+            finished=finished,
+            delta_text=delta_text,
+            delta_token_ids=delta_ids,
+            error=error,
+            rejected=rejected,
+            metrics=metrics,
+        )
+        outputs.append(out)
+        if client.sink is not None:
+            client.sink(out)
+
+    # ---- read-only load figures (metrics, model info; any thread) ---------------------------------------------
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def pages_in_use(self) -> int:
+        return self.scheduler.allocator.num_used
+
+    @property
+    def num_pages(self) -> int:
+        return self.scheduler.allocator.num_usable
+
+    @property
+    def num_executables(self) -> int:
+        return self.runner.num_executables

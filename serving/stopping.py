@@ -1,0 +1,57 @@
+"""The one place that decides a request is finished and records why: `append_token`.
+
+Every sampled token of every request passes through it, in order: EOS, stop token ids, max_tokens, the model
+length and stop strings are all judged here, and the verdict lands on the request (`finish_reason`,
+`stop_reason`). Aborts and errors are the only other ends a request can have; the scheduler records those.
+The request's text (detokenised incrementally, held back where it could still become a stop string) is
+produced here too, because a stop string can only be judged on text.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from serving.request import FinishReason, Request
+from serving.tokenizer import IncrementalDetokenizer, StopChecker
+
+
+@dataclasses.dataclass
+class TextState:
+    """A request's output text: incremental detokeniser plus stop strings."""
+
+    detok: IncrementalDetokenizer | None
+    stops: StopChecker
+    text: str = ""  # emitted so far (stop strings excluded)
+    delta: str = ""  # emitted by the latest token, for streaming
+
+    def push(self, token_id: int, final: bool) -> bool:
+        """Add a token's text; True when a stop string has been reached."""
+        if self.detok is None:
+            self.delta = ""
+            return False
+        piece = self.detok.push(token_id)
+        if final:
+            piece += self.detok.flush()
+        new, stopped = self.stops.push(piece)
+        if final and not stopped:
+            new += self.stops.flush()
+        self.delta = new
+        self.text += new
+        return stopped
+
+
+def append_token(req: Request, token_id: int, max_model_len: int) -> FinishReason | None:
+    """Record a sampled token on `req` and decide whether it finishes the request. Returns the reason (also set
+    on `req.finish_reason`, with `req.stop_reason` for a stop string or stop token), or None to go on."""
+    req.output_ids.append(token_id)
+    reason = None
+    if (token_id in req.eos_token_ids and not req.ignore_eos) or token_id in req.stop_token_ids:
+        reason = FinishReason.STOP
+        req.stop_reason = token_id if token_id in req.stop_token_ids else None
+    elif len(req.output_ids) >= req.max_tokens or req.num_prompt + len(req.output_ids) >= max_model_len:
+        reason = FinishReason.LENGTH
+    if req.text is not None and req.text.push(token_id, final=reason is not None):
+        reason = FinishReason.STOP  # a stop string ends the text here, whatever else this token did
+        req.stop_reason = req.text.stops.stop_str
+    req.finish_reason = reason
+    return reason

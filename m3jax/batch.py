@@ -115,45 +115,50 @@ def build_batch(rows: Sequence[RowPlan], ps: int, num_tokens: int, num_rows: int
     """Host-side assembly of a padded Batch (numpy leaves). Returns the batch and, per row, the index into
     `logit_rows` of its sampled token (-1 if not sampled). Padding tokens write to the sink page and read row 0.
     Token ids below 0 (placeholders the step fills on the device) are sent as 0."""
-    total = sum(len(r.tokens) for r in rows)
-    if total > num_tokens or len(rows) > num_rows:
-        raise ValueError(f"{total} tokens / {len(rows)} rows do not fit the bucket ({num_tokens}, {num_rows})")
+    n = len(rows)
+    lengths = np.fromiter((len(r.tokens) for r in rows), np.int64, n)
+    total = int(lengths.sum())
+    if total > num_tokens or n > num_rows:
+        raise ValueError(f"{total} tokens / {n} rows do not fit the bucket ({num_tokens}, {num_rows})")
     num_logit_rows = num_rows if num_logit_rows is None else num_logit_rows
-    token_ids = np.zeros(num_tokens, np.int32)
-    positions = np.zeros(num_tokens, np.int32)
-    token_row = np.zeros(num_tokens, np.int32)
-    slots = np.full(num_tokens, SINK_PAGE * ps, np.int32)
+    starts = np.fromiter((r.start for r in rows), np.int64, n)
+    ends = starts + lengths
+    num_pages = np.fromiter((len(r.pages) for r in rows), np.int64, n)
+    short = np.flatnonzero(-(-ends // ps) > num_pages)
+    if len(short):
+        r = int(short[0])
+        raise ValueError(f"row {r}: {ends[r]} tokens need {-(-ends[r] // ps)} pages, {num_pages[r]} given")
+    wide = np.flatnonzero(num_pages > pages_per_row)
+    if len(wide):
+        raise ValueError(f"row {wide[0]}: {num_pages[wide[0]]} pages exceed the page table width {pages_per_row}")
     page_table = np.full((num_rows, pages_per_row), SINK_PAGE, np.int32)
-    logit_rows = np.zeros(num_logit_rows, np.int32)
-    query_start = np.zeros(num_rows + 1, np.int32)
-    seq_lens = np.zeros(num_rows, np.int32)
-    sample_index: list[int] = []
-    t = 0
-    n_logits = 0
     for r, row in enumerate(rows):
-        n = len(row.tokens)
-        end = row.start + n
-        if -(-end // ps) > len(row.pages):
-            raise ValueError(f"row {r}: {end} tokens need {-(-end // ps)} pages, {len(row.pages)} given")
-        if len(row.pages) > pages_per_row:
-            raise ValueError(f"row {r}: {len(row.pages)} pages exceed the page table width {pages_per_row}")
         page_table[r, : len(row.pages)] = row.pages
-        pos = np.arange(row.start, end, dtype=np.int32)
-        token_ids[t:t + n] = np.maximum(np.asarray(row.tokens, np.int64), 0)
-        positions[t:t + n] = pos
-        token_row[t:t + n] = r
-        slots[t:t + n] = page_table[r, pos // ps] * ps + pos % ps
-        seq_lens[r] = end
-        if row.sample and n:
-            if n_logits >= num_logit_rows:
-                raise ValueError("more sampled rows than logit rows in the bucket")
-            logit_rows[n_logits] = t + n - 1
-            sample_index.append(n_logits)
-            n_logits += 1
-        else:
-            sample_index.append(-1)
-        t += n
-        query_start[r + 1:] = t
+
+    # The flat token axis: row r's tokens at query_start[r] .. query_start[r + 1] - 1, padding after them.
+    query_start = np.full(num_rows + 1, total, np.int32)
+    query_start[: n + 1] = np.concatenate([[0], np.cumsum(lengths)])
+    token_row = np.zeros(num_tokens, np.int32)
+    token_row[:total] = np.repeat(np.arange(n), lengths)
+    positions = np.zeros(num_tokens, np.int32)
+    positions[:total] = np.arange(total) + np.repeat(starts - query_start[:n], lengths)
+    token_ids = np.zeros(num_tokens, np.int32)
+    if total:
+        token_ids[:total] = np.maximum(np.concatenate([np.asarray(r.tokens, np.int64) for r in rows]), 0)
+    slots = np.full(num_tokens, SINK_PAGE * ps, np.int32)
+    pos = positions[:total]
+    slots[:total] = page_table[token_row[:total], pos // ps] * ps + pos % ps
+    seq_lens = np.zeros(num_rows, np.int32)
+    seq_lens[:n] = ends
+
+    sampled = np.flatnonzero(np.fromiter((r.sample for r in rows), bool, n) & (lengths > 0))
+    if len(sampled) > num_logit_rows:
+        raise ValueError("more sampled rows than logit rows in the bucket")
+    logit_rows = np.zeros(num_logit_rows, np.int32)
+    logit_rows[: len(sampled)] = query_start[sampled + 1] - 1
+    sample_index = np.full(n, -1, np.int64)
+    sample_index[sampled] = np.arange(len(sampled))
+    sample_index = sample_index.tolist()
     # Host arrays: jit (or a compiled step) moves them to the devices with the placement it was built for.
     batch = Batch(token_ids, positions, token_row, slots, page_table, logit_rows, query_start, seq_lens)
     return batch, sample_index

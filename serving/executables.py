@@ -5,18 +5,20 @@ tens of seconds per shape. Here the whole compiled executable is serialized (`ja
 serialize_executable`) under a key of everything that shapes it: the model config, the kernel choice, dtype,
 sharding, the step's shapes, the jax / jaxlib versions, the devices, and a hash of the source files that
 define the step (m3jax, pallas_kernels, serving). Any difference is another key; a file that fails to load is
-recompiled and replaced. XLA's own cache sits beside it (`xla/`) for whatever is compiled anyway.
+recompiled and replaced. JAX's own persistent cache is not turned on by the engine: an executable that XLA:CPU
+read back from it does not survive a second serialization, so such executables are never written here.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
 import os
 import pickle
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,12 +41,22 @@ def source_hash() -> str:
     return h.hexdigest()
 
 
-def enable_xla_cache(directory: Path) -> None:
-    """JAX's persistent compilation cache, for everything compiled outside the executable cache."""
-    directory.mkdir(parents=True, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", str(directory))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+@contextlib.contextmanager
+def xla_cache_hits() -> Iterator[list[str]]:
+    """Collects JAX persistent-cache hits (when a user turned that cache on) during the block."""
+    from jax._src import monitoring
+
+    hits: list[str] = []
+
+    def listener(event: str, **kwargs: Any) -> None:
+        if event == "/jax/compilation_cache/cache_hits":
+            hits.append(event)
+
+    monitoring.register_event_listener(listener)
+    try:
+        yield hits
+    finally:
+        monitoring.unregister_event_listener(listener)
 
 
 class ExecutableCache:

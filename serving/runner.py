@@ -34,7 +34,7 @@ from m3jax.api import M3Model
 from m3jax.batch import Batch, KVPages, RowPlan, build_batch
 from m3jax.model import forward
 from pallas_kernels.choice import KernelChoice
-from serving.executables import ExecutableCache
+from serving.executables import ExecutableCache, xla_cache_hits
 from serving.outputs import MAX_LOGPROBS
 from serving.request import PLACEHOLDER
 from serving.sampling import (
@@ -158,9 +158,12 @@ class ModelRunner:
         exe = self.cache.load(key, list(self.model.rules.mesh.devices.flat)) if self.cache is not None else None
         how = "loaded"
         if exe is None:
-            exe = self._fn.trace(*self._abstract_args(num_tokens)).lower().compile()
+            with xla_cache_hits() as hits:
+                exe = self._fn.trace(*self._abstract_args(num_tokens)).lower().compile()
             how = "compiled"
-            if self.cache is not None:
+            # An executable that XLA:CPU read back from JAX's own persistent cache serializes into a blob that
+            # fails when loaded ("Function ... not found"): only fresh compiles are kept.
+            if self.cache is not None and not hits:
                 self.cache.save(key, exe)
         self._executables[num_tokens] = exe
         self.compile_log.append({"tokens": num_tokens, "rows": self.rows_for(num_tokens), "how": how,
@@ -183,39 +186,50 @@ class ModelRunner:
         return time.perf_counter() - t0
 
     # ---- one step ------------------------------------------------------------------------------------------
-    def launch(self, scheduled: SchedulerOutput) -> InFlight:
-        """Dispatch one step (returns before it has run). Raises StepFailed, with the state rebuilt."""
+    def inputs(self, scheduled: SchedulerOutput) -> tuple[int, tuple[Any, ...], list[int]]:
+        """Host arrays of a step: (token bucket, (batch, prev_index, history_rows, sampling), sampled rows'
+        indices into the previous-step token array they come from)."""
         num_tokens = self.bucket(scheduled.num_tokens)
         num_rows = self.rows_for(num_tokens)
         rows = scheduled.rows
         plans = [RowPlan(r.token_ids, r.start, r.pages, r.sample) for r in rows]
         batch, sample_index = build_batch(plans, self.page_size, num_tokens, num_rows, self.pages_per_row)
 
+        # A placeholder can only be a row's last token (only the step in flight has unknown samples).
         prev_index = np.full(num_tokens, -1, np.int32)
+        ends = batch.query_start[1:len(rows) + 1] - 1
+        waiting = [i for i, r in enumerate(rows) if r.token_ids and r.token_ids[-1] == PLACEHOLDER]
+        if waiting:
+            prev_index[ends[waiting]] = [self._prev_index[rows[i].seq] for i in waiting]
         S = self.max_num_seqs
         history_rows = HistoryRows.untracked(num_rows, S)
-        t = 0
         for i, r in enumerate(rows):
-            for k, tok in enumerate(r.token_ids):
-                if tok == PLACEHOLDER:
-                    prev_index[t + k] = self._prev_index[r.seq]  # sampled by the step dispatched last
             if uses_penalty(r.sampling):
                 history_rows.slot[i], history_rows.prompt_len[i] = r.slot, r.num_prompt
                 history_rows.reset[i] = r.start == 0
-            t += len(r.token_ids)
 
         sampled_rows = [r for r in rows if r.sample]
         sampling = SamplingTensors.build([r.sampling for r in sampled_rows], [r.num_output for r in sampled_rows],
                                          num_rows, slots=[r.slot for r in sampled_rows], num_slots=S)
+        return num_tokens, (batch, prev_index, history_rows, sampling), [i for i in sample_index if i >= 0]
+
+    def run(self, num_tokens: int, host_args: tuple[Any, ...]) -> SampleOutput:
+        """Dispatch the bucket's executable on the runner's device state (donated, replaced by the outputs)."""
+        self.kv, self.history, self.prev_tokens, out = self.executable(num_tokens)(
+            self.model.params, self.kv, self.history, self.prev_tokens, *host_args)
+        return out
+
+    def launch(self, scheduled: SchedulerOutput) -> InFlight:
+        """Dispatch one step (returns before it has run). Raises StepFailed, with the state rebuilt."""
+        num_tokens, host_args, sampled_index = self.inputs(scheduled)
         try:
-            self.kv, self.history, self.prev_tokens, out = self.executable(num_tokens)(
-                self.model.params, self.kv, self.history, self.prev_tokens, batch, prev_index, history_rows,
-                sampling)
+            out = self.run(num_tokens, host_args)
         except Exception as e:
             self._reset_state()
             raise StepFailed(f"step failed: {e}") from e
+        sampled_rows = [r for r in scheduled.rows if r.sample]
         seqs = [r.seq for r in sampled_rows]
-        self._prev_index = {seq: idx for seq, idx in zip(seqs, (i for i in sample_index if i >= 0), strict=True)}
+        self._prev_index = dict(zip(seqs, sampled_index, strict=True))
         want = any(getattr(r.sampling, "logprobs", None) is not None for r in sampled_rows)
         return InFlight(scheduled, seqs, out, want)
 

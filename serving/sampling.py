@@ -119,33 +119,27 @@ class SamplingTensors:
         rng = rng if rng is not None else np.random.default_rng()
         L = num_rows_bucket
 
-        temperature = np.zeros(L, np.float32)
-        top_k = np.zeros(L, np.int32)
-        top_p = np.ones(L, np.float32)
-        min_p = np.zeros(L, np.float32)
-        rep = np.ones(L, np.float32)
-        presence = np.zeros(L, np.float32)
-        frequency = np.zeros(L, np.float32)
+        # One tuple per row, then whole columns: per-row numpy stores cost more than the rest of a step's host work.
+        values = np.array([_row_values(p) for p in params_list], np.float64).reshape(n, len(_FIELDS))
+        off = np.array([default for _, default in _FIELDS], np.float64)
+        cols = np.concatenate([values, np.broadcast_to(off, (L - n, len(_FIELDS)))])
+        temperature, top_k, top_p, min_p, rep, presence, frequency = (
+            cols[:, j].astype(np.int32 if name == "top_k" else np.float32) for j, (name, _) in enumerate(_FIELDS))
+        top_k = np.maximum(top_k, 0)  # -1 (vLLM's "off") -> 0
         seeds = np.zeros((L, 2), np.uint32)
+        s64 = np.array([int(rng.integers(0, 1 << 63)) if (x := getattr(p, "seed", None)) is None else int(x) & _U64
+                        for p in params_list], np.uint64)
+        seeds[:n, 0], seeds[:n, 1] = s64 >> np.uint64(32), s64 & np.uint64(_U32)
         step = np.zeros(L, np.int32)
+        step[:n] = steps
         slot = np.full(L, num_slots, np.int32)
-
-        for i, p in enumerate(params_list):
-            temperature[i] = _attr(p, "temperature", 0.0)
-            top_k[i] = max(int(_attr(p, "top_k", 0)), 0)  # -1 (vLLM's "off") -> 0
-            top_p[i] = _attr(p, "top_p", 1.0)
-            min_p[i] = _attr(p, "min_p", 0.0)
-            rep[i] = _attr(p, "repetition_penalty", 1.0)
-            presence[i] = _attr(p, "presence_penalty", 0.0)
-            frequency[i] = _attr(p, "frequency_penalty", 0.0)
-            seed = getattr(p, "seed", None)
-            s = int(rng.integers(0, 1 << 63)) if seed is None else int(seed) & _U64
-            seeds[i] = ((s >> 32) & _U32, s & _U32)
-            step[i] = steps[i]
-            if uses_penalty(p):
-                if slots is None or not 0 <= slots[i] < num_slots:
-                    raise ValueError(f"row {i} uses a penalty but has no history slot in [0, {num_slots})")
-                slot[i] = slots[i]
+        penalised = np.flatnonzero((rep[:n] != 1.0) | (presence[:n] != 0.0) | (frequency[:n] != 0.0))
+        if len(penalised):
+            want = np.asarray(slots if slots is not None else [-1] * n, np.int64)[penalised]
+            bad = penalised[(want < 0) | (want >= num_slots)]
+            if len(bad):
+                raise ValueError(f"row {bad[0]} uses a penalty but has no history slot in [0, {num_slots})")
+            slot[penalised] = want
 
         return cls(
             temperature=temperature,
@@ -159,6 +153,15 @@ class SamplingTensors:
             step=step,
             slot=slot,
         )
+
+
+# What each row of SamplingTensors holds, in `_row_values` order, with the value that means "off".
+_FIELDS = (("temperature", 0.0), ("top_k", 0), ("top_p", 1.0), ("min_p", 0.0), ("repetition_penalty", 1.0),
+           ("presence_penalty", 0.0), ("frequency_penalty", 0.0))
+
+
+def _row_values(p: SamplingParamsLike) -> tuple[float, ...]:
+    return tuple(_attr(p, name, default) for name, default in _FIELDS)
 
 
 def uses_penalty(p: SamplingParamsLike) -> bool:

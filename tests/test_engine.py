@@ -4,8 +4,10 @@ made at start-up and none after, whatever the requests ask for; one thread steps
 
 import asyncio
 import contextlib
+import re
 import time
 
+import jax
 import numpy as np
 import pytest
 
@@ -137,6 +139,20 @@ def test_exact_at_odd_sizes():
         assert batched == _alone(odd, prompts, params)
     model = M3Model.create(cfg, init_params(cfg, seed=0, dtype="float32"))  # the preset's weights
     assert batched[1] == list(model.generate_greedy(prompts[1], 17, stop_ids=cfg.eos_token_ids))
+
+
+def test_step_updates_the_kv_pool_in_place(llm):
+    """The scanned layers write their run's pages inside the loop: the compiled step holds no copy of a page
+    pool (a copy per step would cost the whole KV cache's bandwidth)."""
+    runner = llm.core.runner
+    text = runner.executable(runner.token_buckets[-1]).as_text()
+    pools = set()
+    for a in jax.tree.leaves(runner.kv):
+        pools.add(",".join(map(str, a.shape)))
+        pools.add(",".join(map(str, (a.shape[0] * a.shape[1], *a.shape[2:]))))  # the flat view the scan carries
+    copies = [line for line in text.splitlines() if " copy(" in line
+              and (m := re.search(r"\[([0-9,]+)\]", line)) and m.group(1) in pools]
+    assert not copies, copies[:3]
 
 
 def test_seeded_sampling_is_reproducible(llm):

@@ -1,0 +1,110 @@
+"""The engine's decode step against the bare compiled step, in one process.
+
+A batch of B requests with ~`--context`-token prompts is prefilled through the engine core, then, decode only:
+- engine: `EngineCore.step()` back to back (scheduling, batch assembly, dispatch, collecting the previous step's
+  tokens, stop checks, detokenisation and outputs: everything the serving loop does per token);
+- bare: the same compiled executable called back to back on a fixed decode batch (forward + sampling on the
+  device, no host work but the dispatch).
+The ratio engine / bare is the host's cost per step once async scheduling has overlapped it with the device.
+
+    PYTHONPATH=. python benchmarks/bench_engine_step.py [--model m3-slice] [--batches 32 128] [--context 1024]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+def _rev() -> str:
+    return os.environ.get("M3JAX_GIT_REV") or subprocess.run(["git", "rev-parse", "--short", "HEAD"],
+                                                            capture_output=True, text=True).stdout.strip()
+
+
+def measure(core: Any, batch: int, context: int, steps: int) -> dict[str, Any]:
+    import jax
+
+    from serving.outputs import SamplingParams
+    from serving.scheduler import ScheduledRow, SchedulerOutput
+
+    cfg = core.model.cfg
+    rng = np.random.default_rng(batch)
+    params = SamplingParams(temperature=0.0, max_tokens=steps * 3 + 8, ignore_eos=True)
+    for _ in range(batch):
+        req, _ = core.prepare(rng.integers(0, cfg.vocab_size, context).tolist(), params)
+        core.submit(req)
+    # Prefill, until every request decodes one token per step.
+    while core.num_waiting or any(r.num_computed < r.num_prompt for r in core.scheduler.running):
+        core.step()
+    core.step()
+    t_engine = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        core.step()
+        t_engine.append(time.perf_counter() - t)
+
+    # The bare step: the same executable on a fixed decode batch, dispatched back to back.
+    runner = core.runner
+    rows = [ScheduledRow(r.seq, [int(rng.integers(0, cfg.vocab_size))], r.num_computed, list(r.pages), True, r.slot,
+                         r.sampling, r.num_prompt, r.num_output) for r in core.scheduler.running]
+    num_tokens, host_args, _ = runner.inputs(SchedulerOutput(rows, []))
+    device_args = jax.device_put(host_args)
+    outs = [runner.run(num_tokens, device_args) for _ in range(2)]
+    jax.block_until_ready(outs[-1].tokens)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        outs.append(runner.run(num_tokens, device_args))
+    jax.block_until_ready(outs[-1].tokens)
+    bare = (time.perf_counter() - t0) / steps
+    engine = statistics.median(t_engine[steps // 4:])
+    for rid in list(core._by_id):
+        core.abort(rid)
+    while core.has_work():
+        core.step()
+    return {"op": "engine_decode_step", "batch": batch, "context": context, "engine_step_s": engine,
+            "bare_step_s": bare, "engine_over_bare": engine / bare, "steps": steps,
+            "executables": core.num_executables}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="m3-slice")
+    ap.add_argument("--batches", type=int, nargs="+", default=[32, 128])
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+
+    import jax
+
+    from m3jax.settings import Settings
+    from serving.core import EngineCore
+
+    settings = Settings(model=args.model, max_num_seqs=max(args.batches), max_model_len=args.context + 4 * args.steps
+                        + 64, max_num_batched_tokens=args.max_num_batched_tokens, progress=False)
+    t0 = time.perf_counter()
+    core = EngineCore(settings)  # never started: this thread steps it
+    startup = time.perf_counter() - t0
+    device = jax.devices()[0].device_kind
+    records = []
+    for b in args.batches:
+        rec = {**measure(core, b, args.context, args.steps), "model": args.model, "startup_s": startup,
+               "device": device, "git_rev": _rev()}
+        print(json.dumps(rec), flush=True)
+        records.append(rec)
+    out = Path(args.out or f"benchmarks/results/engine-step-{device.replace(' ', '_')}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(records, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -66,6 +66,8 @@ class Settings:
         "executables and XLA's cache), so a restart neither traces nor compiles", ENGINE,
         env="M3JAX_COMPILATION_CACHE", metavar="DIR")
     enable_compilation_cache: bool = knob(True, "keep compiled steps on disk (see --compilation-cache-dir)", ENGINE)
+    enable_prefix_caching: bool = knob(True, "reuse the K/V and index-K pages of prompt prefixes already computed "
+                                       "(full pages, shared without copies, evicted least recently used)", ENGINE)
     async_scheduling: bool = knob(True, "prepare step N+1 on the host while the device runs step N", ENGINE)
     warmup: bool = knob(True, "compile every step shape at start-up, so serving never compiles", ENGINE)
     progress: bool | None = knob(None, "progress bars for loading and compiling (default: when stderr is a "

@@ -35,6 +35,7 @@ from serving.kv_cache import PageAllocator
 from serving.outputs import CompletionOutput, Logprob, RequestOutput, SamplingParams
 from serving.request import FinishReason, Request
 from serving.runner import InFlight, ModelRunner, StepFailed
+from serving.sampling import uses_penalty
 from serving.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from serving.stopping import TextState
 from serving.tokenizer import IncrementalDetokenizer, M3Tokenizer, StopChecker, TokenizerMissing
@@ -98,7 +99,7 @@ class EngineCore:
         num_pages = self._num_pages()
         self.scheduler = Scheduler(
             SchedulerConfig(settings.max_num_seqs, settings.max_num_batched_tokens, self.max_model_len,
-                            model.page_size), PageAllocator(num_pages))
+                            model.page_size), PageAllocator(num_pages, settings.enable_prefix_caching))
         self.runner = ModelRunner(model, num_pages, settings.max_num_seqs, settings.max_num_batched_tokens,
                                   self.max_model_len, cache_dir)
         self.warmup_seconds = self.runner.warmup(settings.show_progress()) if settings.warmup else 0.0
@@ -165,6 +166,9 @@ class EngineCore:
             eos_token_ids=self.eos_token_ids,
             sampling=params,
             text=TextState(detok, StopChecker(params.stops)),
+            # The penalty history is recorded on the device from the tokens a step feeds: a request that skipped
+            # its cached prefix would miss them.
+            use_prefix_cache=not uses_penalty(params),
         )
         return req, text
 
@@ -276,6 +280,7 @@ class EngineCore:
         serving the rest."""
         log.error("%s", error)
         self._inflight = None
+        self.scheduler.reset_prefix_cache()
         for client in list(self._clients.values()):
             req = client.req
             if req.pages or req.num_placeholders:
@@ -356,6 +361,14 @@ class EngineCore:
     @property
     def num_pages(self) -> int:
         return self.scheduler.allocator.num_usable
+
+    @property
+    def prefix_cache_queries(self) -> int:
+        return self.scheduler.prefix_queries
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        return self.scheduler.prefix_hits
 
     @property
     def num_executables(self) -> int:

@@ -60,6 +60,12 @@ class Request:
     # Unique per admission (client request ids may be reused once a request ends): what steps in flight and
     # their results are keyed by, so a late result never lands on a newer request of the same id.
     seq: int = -1
+    # Prefix caching: the hash-chain names of the request's full pages of known tokens (kv_cache.page_hash), how
+    # many of its pages are named in the pool, and whether it may start from cached pages (not when the device
+    # must see its whole prompt, as the penalty history does).
+    page_hashes: list[bytes] = dataclasses.field(default_factory=list)
+    num_named_pages: int = 0
+    use_prefix_cache: bool = True
 
     @property
     def num_prompt(self) -> int:
@@ -75,10 +81,19 @@ class Request:
         """Prompt plus generated tokens, placeholders included."""
         return len(self.prompt_ids) + self.num_output
 
+    @property
+    def num_known(self) -> int:
+        """Prompt plus generated tokens the host knows (placeholders excluded)."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
     def token_ids(self, start: int, end: int) -> list[int]:
-        """Tokens at positions start .. end - 1, PLACEHOLDER where the host does not know them yet."""
-        known = self.prompt_ids + self.output_ids
-        return known[start:end] + [PLACEHOLDER] * max(0, end - max(start, len(known)))
+        """Tokens at positions start .. end - 1, PLACEHOLDER where the host does not know them yet (sliced from
+        prompt and output separately: a decode row must not copy the whole context)."""
+        p = len(self.prompt_ids)
+        out = self.prompt_ids[start:min(end, p)] if start < p else []
+        if end > p:
+            out = out + self.output_ids[max(start - p, 0):end - p]
+        return out + [PLACEHOLDER] * max(0, end - max(start, self.num_known))
 
     @property
     def finished(self) -> bool:

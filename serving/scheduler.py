@@ -9,7 +9,10 @@ Policy (continuous batching, as in vLLM v1):
   prompt for a prefill) as far as the step's token budget allows, so long prompts are chunked.
 - When a running request needs a page and none is free, the newest running request is preempted by
   recompute: its pages are freed and it goes back to the front of the queue with prompt + output so far.
-- Then waiting requests, first come first served, while budget, the running cap and free pages allow.
+- Then waiting requests, first come first served, while budget, the running cap and free pages allow. A request
+  starting from scratch first takes the longest run of cached full pages that names its prefix (prefix
+  caching, serving/kv_cache.py) and computes only from there; every full page of known tokens a request
+  computes is named in the pool for the next one.
 
 Async scheduling: a request whose last step is still in flight has a placeholder for the token that step
 samples (`Request.num_placeholders`); it is scheduled as if that token were known, and the executor feeds it to
@@ -24,7 +27,7 @@ import dataclasses
 
 import numpy as np
 
-from serving.kv_cache import PageAllocator
+from serving.kv_cache import PageAllocator, page_hash
 from serving.request import FinishReason, Request, Status
 from serving.stopping import append_token
 
@@ -89,6 +92,9 @@ class Scheduler:
         self._by_seq: dict[int, Request] = {}
         self._next_seq = 0
         self._free_slots = list(range(config.max_num_seqs - 1, -1, -1))
+        # Prefix caching, in tokens looked up and found at admission.
+        self.prefix_queries = 0
+        self.prefix_hits = 0
 
     # ---- requests in and out -------------------------------------------------------------------------------
     def pages_for(self, num_tokens: int) -> int:
@@ -174,18 +180,60 @@ class Scheduler:
             req = self.waiting[0]
             if req.num_placeholders:  # preempted with a token in flight: wait until it has landed
                 break
+            cached = self._take_cached_prefix(req)
             n = min(self._uncomputed(req), budget)
-            need = self.pages_for(n)
+            need = self.pages_for(req.num_computed + n) - len(req.pages)
             if need > self.allocator.num_free:
+                self.allocator.free(req.pages)  # give the cached pages back: it waits for room
+                req.pages, req.num_computed, req.num_named_pages = [], 0, 0
                 break
             self.waiting.popleft()
-            req.pages = self.allocator.allocate(need)
+            self.prefix_queries += req.num_known
+            self.prefix_hits += cached
+            req.pages += self.allocator.allocate(need)
             req.slot = self._free_slots.pop()
             req.status = Status.RUNNING
             self.running.append(req)
             rows.append(self._row(req, n))
             budget -= n
         return SchedulerOutput(rows, [r.request_id for r in preempted])
+
+    def _take_cached_prefix(self, req: Request) -> int:
+        """Start `req` after the longest cached prefix of its known tokens (at least one token is left to
+        compute: its logits are needed). Returns the cached tokens."""
+        if not (req.use_prefix_cache and self.allocator.enable_prefix_caching):
+            return 0
+        hashes = self._page_hashes(req, (req.num_known - 1) // self.config.page_size)
+        req.pages = self.allocator.lookup(hashes)
+        req.num_named_pages = len(req.pages)
+        req.num_computed = len(req.pages) * self.config.page_size
+        return req.num_computed
+
+    def _page_hashes(self, req: Request, num_pages: int) -> list[bytes]:
+        """The names of the request's first `num_pages` full pages (all of known tokens), computed once."""
+        ps = self.config.page_size
+        while len(req.page_hashes) < num_pages:
+            i = len(req.page_hashes)
+            req.page_hashes.append(page_hash(req.page_hashes[-1] if i else None, req.token_ids(i * ps, (i + 1) * ps)))
+        return req.page_hashes[:num_pages]
+
+    def _name_pages(self, req: Request) -> None:
+        """Name every full page whose tokens are all known and computed (or being computed by a dispatched step,
+        which runs before any step that could read it from the cache)."""
+        if not self.allocator.enable_prefix_caching:
+            return
+        full = min(req.num_computed, req.num_known) // self.config.page_size
+        if full > req.num_named_pages:
+            hashes = self._page_hashes(req, full)
+            for i in range(req.num_named_pages, full):
+                self.allocator.register(req.pages[i], hashes[i])
+            req.num_named_pages = full
+
+    def reset_prefix_cache(self) -> None:
+        """Forget all cached prefixes (the device pool was rebuilt after a failed step)."""
+        self.allocator.reset_prefix_cache()
+        for req in self.running:
+            req.num_named_pages = len(req.pages)  # their pages hold nothing any more; they are being failed
 
     def _uncomputed(self, req: Request) -> int:
         """Tokens to run now: none when the request has sampled all it may (its finishing update is pending)."""
@@ -201,6 +249,7 @@ class Scheduler:
         req.num_computed += n
         if sample:
             req.num_placeholders += 1
+        self._name_pages(req)
         return row
 
     def _release(self, req: Request) -> None:
@@ -212,6 +261,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         self._release(req)
         req.num_computed = 0
+        req.num_named_pages = 0
         req.status = Status.WAITING
         req.num_preemptions += 1
         self.waiting.appendleft(req)
@@ -227,6 +277,8 @@ class Scheduler:
                 continue
             req.num_placeholders -= 1
             reason = append_token(req, tok, self.config.max_model_len)
+            if req.status is Status.RUNNING:
+                self._name_pages(req)
             if reason is not None:
                 self.finish(req, reason)
             got.append((req, i))

@@ -154,6 +154,10 @@ class ServingCore:
                 "m3jax_engine_steps": ("Engine steps run", lambda: stats.get("steps", 0)),
                 "m3jax_engine_step_tokens": ("Tokens through the model", lambda: stats.get("step_tokens", 0)),
                 "m3jax_preemptions": ("Requests preempted (recomputed later)", lambda: stats.get("preemptions", 0)),
+                "m3jax_prefix_cache_queries": ("Tokens looked up in the prefix cache at admission",
+                                               lambda: engine.prefix_cache_queries),
+                "m3jax_prefix_cache_hits": ("Tokens found in the prefix cache (not computed again)",
+                                            lambda: engine.prefix_cache_hits),
             })
 
     @property

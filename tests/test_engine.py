@@ -155,6 +155,26 @@ def test_step_updates_the_kv_pool_in_place(llm):
     assert not copies, copies[:3]
 
 
+def test_prefix_cache_changes_no_token(llm):
+    """Requests sharing a 100-token prefix (past MSA's 4 x 16 selectable tokens, so selection drops blocks over the
+    cached pages, and through the dense layer too) give the tokens they give with the cache off, greedy and
+    seeded, batched and alone; the hits are counted."""
+    rng = np.random.default_rng(21)
+    prefix = rng.integers(1, 500, 100).tolist()
+    prompts = [prefix + rng.integers(1, 500, int(k)).tolist() for k in (1, 5, 9, 12)]
+    params = [SamplingParams(temperature=0.0, max_tokens=15), SamplingParams(temperature=0.9, seed=4, max_tokens=15)]
+    core = llm.core
+    hits0 = core.prefix_cache_hits
+    llm.generate([prefix + [7]], GREEDY, use_tqdm=False)  # the prefix is now cached
+    cached = [[o.outputs[0].token_ids for o in llm.generate(prompts, p, use_tqdm=False)] for p in params]
+    cached_alone = [_alone(llm, prompts, p) for p in params]
+    assert core.prefix_cache_hits - hits0 >= 2 * 2 * len(prompts) * 96  # 6 full pages of 16 per request
+    with LLM(**SETTINGS, enable_prefix_caching=False) as plain:
+        uncached = [[o.outputs[0].token_ids for o in plain.generate(prompts, p, use_tqdm=False)] for p in params]
+        assert plain.core.prefix_cache_hits == 0
+    assert cached == uncached == cached_alone
+
+
 def test_seeded_sampling_is_reproducible(llm):
     prompts = _prompts(6, seed=2)
     params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=1234, max_tokens=10)

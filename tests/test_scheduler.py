@@ -186,3 +186,44 @@ def test_abort_frees_pages_and_bad_requests_are_refused():
         make(pages=3).add(req(5, n=10, max_tokens=100))
     s.finish(b, FinishReason.ABORT)
     assert s.allocator.num_used == 0 and not s.has_work()
+
+
+def test_prefix_cache_skips_computed_pages_and_keeps_outputs():
+    """A second request with the same 3-page prefix starts after it (the last prompt token is always computed);
+    a preempted request comes back through its own cached pages; outputs are those of requests alone."""
+    s = make(pages=64, budget=64, ps=8)
+    first = req(0, n=26, max_tokens=3)
+    s.add(first)
+    run(s, next_token=_history_model)
+    twin = Request("r1", list(range(1, 27)), 3, eos_token_ids=frozenset({0}))
+    shorter = Request("r2", list(range(1, 17)), 3, eos_token_ids=frozenset({0}))  # exactly 2 pages
+    s.add(twin)
+    s.add(shorter)
+    scheduled = s.schedule()
+    starts = {row.seq: (row.start, len(row.token_ids)) for row in scheduled.rows}
+    assert starts[twin.seq] == (24, 2)  # 3 full pages cached, then its own page for tokens 24, 25
+    assert starts[shorter.seq] == (8, 8)  # 2 pages cached but the last token must be computed: 1 page
+    assert s.prefix_hits == 24 + 8 and s.prefix_queries == 26 + 26 + 16
+    assert twin.pages[0] == shorter.pages[0]  # the same physical page: shared, not copied
+    assert s.allocator._refs[twin.pages[0]] == 2
+    model = FakeModel(_history_model)
+    s.update(model.run(s, scheduled))
+    run(s, model=model)
+    assert twin.output_ids == first.output_ids and s.allocator.num_used == 0
+
+    # Preemption: the victim's pages stay named in the pool and its recompute starts from them.
+    s2 = make(pages=7, seqs=8, budget=64, ps=8)
+    reqs = [req(i, n=12, max_tokens=14) for i in range(3)]
+    for r in reqs:
+        s2.add(r)
+    run(s2, next_token=_history_model)
+    assert sum(r.num_preemptions for r in reqs) > 0 and s2.prefix_hits > 0
+    assert [r.output_ids for r in reqs] == [run_alone(i) for i in range(3)]
+
+
+def run_alone(i):
+    s = make(pages=64, ps=8)
+    r = req(i, n=12, max_tokens=14)
+    s.add(r)
+    run(s, next_token=_history_model)
+    return r.output_ids

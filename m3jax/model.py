@@ -147,12 +147,14 @@ def decoder_layer(lp: Params, cfg: M3Config, run: LayerRun, x_TD: jax.Array, bat
 
 def run_layers(rp: Params, cfg: M3Config, run: LayerRun, x_TD: jax.Array, batch: Batch,
                rope: tuple[jax.Array, ...], pages: LayerPages, blocks: jax.Array | None, kernels: KernelChoice,
-               unroll: bool = False) -> tuple[jax.Array, LayerPages, jax.Array | None, jax.Array | None]:
+               unroll: bool = False, capture: tuple[int, ...] = (), aux_ATD: jax.Array | None = None
+               ) -> tuple[jax.Array, LayerPages, jax.Array | None, jax.Array | None, jax.Array | None]:
     """A run's layers as one `lax.scan` over their stacked weights (`rp`, leading layer axis), or with `unroll`
     as a Python loop over the same layer function (for code that must see each layer's ops at the top level,
     such as training's routing statistics). Returns the new residual stream, the run's pages, the last selection
-    (for the next run's reuse) and every layer's selection [layers, T, K, N] (sparse runs; unused outputs cost
-    nothing once XLA drops them)."""
+    (for the next run's reuse), every layer's selection [layers, T, K, N] (sparse runs; unused outputs cost
+    nothing once XLA drops them), and `aux_ATD` with the residual stream at the input of each layer of `capture`
+    written into its slot (what an EAGLE-3 draft reads)."""
     num_pages = pages.k.shape[0] // run.count
     ps = pages.k.shape[1]
     sparse = run.attn == "sparse"
@@ -163,23 +165,33 @@ def run_layers(rp: Params, cfg: M3Config, run: LayerRun, x_TD: jax.Array, batch:
     selects = [cfg.index_recomputes(i) for i in run.layers] if sparse else [True] * run.count
     recompute_all = all(selects)
 
+    # The aux slot each layer's input goes to (-1: none).
+    slots = [capture.index(i) if i in capture else -1 for i in run.layers]
+    capturing = any(s >= 0 for s in slots)
+
     def layer(carry: tuple, xs: tuple) -> tuple[tuple, jax.Array | None]:
-        x, pages, reuse = carry
-        lp, j, recompute = xs
+        x, pages, reuse, aux = carry
+        lp, j, recompute, slot = xs
+        if capturing:
+            if isinstance(slot, int):  # unrolled: static
+                aux = aux if slot < 0 else aux.at[slot].set(x)
+            else:
+                aux = jax.lax.cond(slot >= 0, lambda a: jax.lax.dynamic_update_index_in_dim(a, x, slot, 0),
+                                   lambda a: a, aux)
         x, pages, sel = decoder_layer(lp, cfg, run, x, batch.with_page_offset(j * num_pages, ps), rope, pages,
                                       reuse if sparse else None, True if recompute_all else recompute, kernels)
-        return (x, pages, sel if sparse else reuse), sel
+        return (x, pages, sel if sparse else reuse, aux), sel
 
     if unroll:
-        carry, per_layer = (x_TD, pages, blocks), []
+        carry, per_layer = (x_TD, pages, blocks, aux_ATD), []
         for j in range(run.count):
-            carry, sel = layer(carry, (jax.tree.map(lambda a, j=j: a[j], rp), j, selects[j]))
+            carry, sel = layer(carry, (jax.tree.map(lambda a, j=j: a[j], rp), j, selects[j], slots[j]))
             per_layer.append(sel)
-        (x_TD, pages, blocks) = carry
-        return x_TD, pages, blocks, jnp.stack(per_layer) if sparse else None
-    xs = (rp, jnp.arange(run.count, dtype=jnp.int32), jnp.asarray(selects))
-    (x_TD, pages, blocks), selections = jax.lax.scan(layer, (x_TD, pages, blocks), xs)
-    return x_TD, pages, blocks, selections
+        (x_TD, pages, blocks, aux_ATD) = carry
+        return x_TD, pages, blocks, jnp.stack(per_layer) if sparse else None, aux_ATD
+    xs = (rp, jnp.arange(run.count, dtype=jnp.int32), jnp.asarray(selects), jnp.asarray(slots, jnp.int32))
+    (x_TD, pages, blocks, aux_ATD), selections = jax.lax.scan(layer, (x_TD, pages, blocks, aux_ATD), xs)
+    return x_TD, pages, blocks, selections, aux_ATD
 
 
 @jax.tree_util.register_dataclass
@@ -188,18 +200,22 @@ class ForwardOutput:
     logits: jax.Array  # [L, vocab] fp32, one row per batch.logit_rows entry
     kv: KVPages
     selections: dict[int, jax.Array]  # sparse layer -> logical blocks [T, K, N] (-1 padded)
+    # [len(capture), T, D]: the residual stream at the input of each captured layer (None without capture).
+    aux_hidden: jax.Array | None = None
 
 
 def forward(params: Params, cfg: M3Config, kv: KVPages, batch: Batch, kernels: KernelChoice,
-            unroll: bool = False) -> ForwardOutput:
+            unroll: bool = False, capture: tuple[int, ...] = ()) -> ForwardOutput:
     """One step of M3 over a flat ragged batch: every token's K/V/index-K is written to its slot, every token
     attends to its own request's pages up to its position, and logits come only for `batch.logit_rows`.
     `kernels` must be resolved (no "auto"): it is static, part of the compiled step's identity. `unroll`: layers
-    in a Python loop instead of scans (same function; see `run_layers`)."""
+    in a Python loop instead of scans (same function; see `run_layers`). `capture`: layer ids whose input
+    residual stream (every token's) comes back as `aux_hidden`, for an EAGLE-3 draft."""
     if not kernels.resolved:
         raise ValueError(f"{kernels} is not resolved: call KernelChoice.resolve() first")
     x = params["embed"][batch.token_ids]  # [T, D]; no embedding scale in M3
     rope = rope_tables(batch.positions, cfg.rotary_dim, cfg.rope_theta, x.dtype)
+    aux = jnp.zeros((len(capture), *x.shape), x.dtype) if capture else None
     new_kv = KVPages([], [], [])
     selections: dict[int, jax.Array] = {}
     blocks = None
@@ -207,8 +223,8 @@ def forward(params: Params, cfg: M3Config, kv: KVPages, batch: Batch, kernels: K
         # The run's pool as one flat page axis: a reshape of contiguous memory, free in and out of the scan.
         flat = LayerPages(*(None if a is None else a.reshape(-1, *a.shape[2:])
                             for a in (kv.k[r], kv.v[r], kv.index_k[r])))
-        x, flat, blocks, sel = run_layers(params["runs"][r], cfg, run, x, batch, rope, flat, blocks, kernels,
-                                          unroll)
+        x, flat, blocks, sel, aux = run_layers(params["runs"][r], cfg, run, x, batch, rope, flat, blocks, kernels,
+                                               unroll, capture, aux)
         new_kv.k.append(flat.k.reshape(kv.k[r].shape))
         new_kv.v.append(flat.v.reshape(kv.v[r].shape))
         new_kv.index_k.append(None if flat.index_k is None else flat.index_k.reshape(kv.index_k[r].shape))
@@ -217,4 +233,4 @@ def forward(params: Params, cfg: M3Config, kv: KVPages, batch: Batch, kernels: K
 
     x = rms_norm(x[batch.logit_rows], params["final_norm"], cfg.rms_norm_eps)
     logits = jnp.einsum("td,dv->tv", x, params["lm_head"], preferred_element_type=jnp.float32)
-    return ForwardOutput(logits, new_kv, selections)
+    return ForwardOutput(logits, new_kv, selections, aux)

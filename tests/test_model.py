@@ -146,3 +146,23 @@ def test_generate_greedy_matches_argmax_of_full_forward(model):
     got = list(model.generate_greedy(prompt, 12))
     full = model.logits([prompt + got])[0]  # teacher-forced: each generated token is the argmax before it
     assert got == np.argmax(full[len(prompt) - 1:-1], axis=-1).tolist()
+
+
+def test_scanned_layers_equal_unrolled_ones_and_capture_layer_inputs(model):
+    """The scans over stacked layers compute what a Python loop over the same layers computes, and `capture`
+    returns each named layer's input residual stream (layer 0's is the embedding)."""
+    import jax
+
+    from m3jax.model import forward
+
+    toks = _tokens(7, (1, 70))[0]
+    batch, _ = build_batch([RowPlan(toks.tolist(), 0, range(1, 6), sample=False)], PS, 72, 1, 5)
+    batch.logit_rows = np.arange(70, dtype=np.int32)
+    step = jax.jit(forward, static_argnums=(1, 4, 5, 6))
+    scanned = step(model.params, CFG, model.new_pages(6), batch, model.kernels, False, (0, 2, 3))
+    unrolled = step(model.params, CFG, model.new_pages(6), batch, model.kernels, True, (0, 2, 3))
+    np.testing.assert_allclose(np.asarray(scanned.logits), np.asarray(unrolled.logits), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(scanned.aux_hidden), np.asarray(unrolled.aux_hidden), rtol=1e-6,
+                               atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(scanned.aux_hidden[0, :70]), np.asarray(model.params["embed"])[toks])
+    np.testing.assert_allclose(np.asarray(scanned.logits), model.logits(toks[None])[0], rtol=1e-5, atol=1e-5)

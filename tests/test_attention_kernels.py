@@ -281,3 +281,84 @@ def test_dispatch_prefill_chunk_picks_block_major_or_union(selections):
     got = dispatch.paged_block_sparse_attention(q, kp, vp, *args, blocks, scale=SCALE, impl="interpret")
     want = msa_ref.paged_block_sparse_attention(q, kp, vp, *args, blocks, scale=SCALE)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
+
+
+# ---- engine sizes that are not powers of two: the kernels pad their tiles and mask the padding ---------------
+
+
+def _wide_batch(width: int):
+    """A batch whose page table is `width` pages wide (P = ceil(max_model_len / page size), any number): a
+    prefill chunk reaching the table's last page, a decode + 1 draft row, a short context, padding; 16 tokens
+    per row, so the dispatch takes the prefill tiles (`pages_per_split` = P: one split padded to a power of 2)."""
+    rng = np.random.default_rng(width)
+    pages = lambda n: rng.integers(1, NUM_PAGES, size=n).tolist()  # noqa: E731  (repeats are fine: a read is a read)
+    end = width * PS
+    rows = [
+        RowPlan([1] * 40, end - 50, pages(width)),  # a chunk over 6 pages, up to the last but one
+        RowPlan([1] * 2, end - 2, pages(width)),  # the table's last page, its last two slots
+        RowPlan([1] * 1, 11, pages(2)),
+    ]
+    batch, _ = build_batch(rows, PS, 64, 4, width)
+    return batch
+
+
+@pytest.mark.parametrize("width", [10, 63])
+def test_dense_attention_non_pow2_page_table_equal_reference(width):
+    """P = 10 (max_model_len 1280 at page size 128) and 63: the prefill tiles' one split of P pages runs as a
+    16- or 64-entry vector whose extra entries are masked; a split of 3 pages as 4-entry vectors, the last one
+    partly past the table."""
+    b = _wide_batch(width)
+    args = (b.page_table, b.token_row, b.positions)
+    tiles = tuning.dense_tiles(b.num_tokens, b.page_table.shape[0], width, K, HG)
+    assert tiles.pages_per_split == width and tiles.bt > 1  # the prefill tiles, not a power of two
+    rng = np.random.default_rng(11)
+    q = _normal(rng, b.num_tokens, H, D)
+    kp, vp = (_normal(rng, NUM_PAGES, PS, K, D) for _ in range(2))
+    want = attn_ref.paged_dense_attention(q, kp, vp, *args, SCALE)
+    got = dispatch.paged_dense_attention(q, kp, vp, *args, SCALE, impl="interpret")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
+    split = attn_kernel.paged_dense_attention(q, kp, vp, *args, SCALE, interpret=True,
+                                              tiles=AttentionTiles(bt=2, pages_per_split=3))
+    np.testing.assert_allclose(np.asarray(split), np.asarray(want), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("tiles", [AttentionTiles(bt=1, pages_per_split=5),
+                                   AttentionTiles(bt=4, pages_per_split=20, key_tile=4),
+                                   AttentionTiles(bt=2, pages_per_split=16, block_major=3)],
+                         ids=["decode-tiles", "union-tiles", "block-major"])
+def test_block_sparse_attention_non_pow2_topk_equal_reference(tiles):
+    """A top-k of 5: decode's page list is a padded 8-entry vector, a query block's per-token selections a
+    [bt, 8] tile whose 3 extra columns (-1) match no page, its union list of 4 x 5 entries a padded 32."""
+    topk = 5
+    rng = np.random.default_rng(12)
+    iq, ik = _normal(rng, BATCH.num_tokens, K, DI), _normal(rng, NUM_PAGES, PS, DI)
+    blocks = np.array(msa_ref.paged_select_blocks(iq, ik, *_args(), topk=topk, local_blocks=1))
+    blocks[(rng.random(blocks.shape) < 0.2) & (blocks > 0)] = -1
+    blocks = jnp.asarray(blocks)
+    q = _normal(rng, BATCH.num_tokens, H, D)
+    kp, vp = (_normal(rng, NUM_PAGES, PS, K, D) for _ in range(2))
+    want = msa_ref.paged_block_sparse_attention(q, kp, vp, *_args(), blocks, scale=SCALE)
+    got = msa_kernel.paged_block_sparse_attention(q, kp, vp, *_args(), blocks, scale=SCALE, tiles=tiles,
+                                                  interpret=True)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
+
+
+def test_msa_non_pow2_topk_through_dispatch_equal_reference():
+    """A prefill chunk with a top-k of 3 through the dispatch, which used to fall back to the reference for a
+    top-k that is not a power of two: selection and block-sparse attention (the union or block-major kernel)."""
+    topk = 3
+    rng = np.random.default_rng(13)
+    batch, _ = build_batch([RowPlan([1] * 40, 200, list(range(1, 32)))], PS, 48, 2, 32)
+    args = (batch.page_table, batch.token_row, batch.positions)
+    T = batch.num_tokens
+    iq, ik = _normal(rng, T, K, DI), _normal(rng, NUM_PAGES, PS, DI)
+    blocks = dispatch.paged_select_blocks(iq, ik, *args, topk=topk, local_blocks=1, impl="interpret")
+    np.testing.assert_array_equal(np.asarray(blocks),
+                                  np.asarray(msa_ref.paged_select_blocks(iq, ik, *args, topk=topk, local_blocks=1)))
+    # Shared selections (each 4-token block takes its first token's), so the union kernel's per-token masks run.
+    for sel in (blocks, blocks[np.arange(T) // 4 * 4]):
+        q = _normal(rng, T, H, D)
+        kp, vp = (_normal(rng, NUM_PAGES, PS, K, D) for _ in range(2))
+        got = dispatch.paged_block_sparse_attention(q, kp, vp, *args, sel, scale=SCALE, impl="interpret")
+        want = msa_ref.paged_block_sparse_attention(q, kp, vp, *args, sel, scale=SCALE)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)

@@ -7,7 +7,10 @@ of a resolved `pallas_kernels.choice.KernelChoice` (a static value of the forwar
 - "interpret": the same kernels through Pallas' interpreter (how CI checks them on the CPU);
 - "reference": the jnp references (the definitions).
 
-Shapes the Triton lowering cannot tile (a dim that is not a power of two) fall back to the reference on GPU.
+Engine sizes (tokens T, request rows R, page-table width P, top-k) take the kernels at any value: they round
+their internal tiles up to powers of two and mask the extra entries (tests/test_triton_lowering.py lowers them
+for the GPU at odd sizes). Model dims that the Triton tiles use whole (page size, head dims, heads per group)
+must be powers of two; other values fall back to the reference on GPU.
 KV writes (`write_kv_pages`): decided by measurement on the H200 against the XLA scatter that
 `m3jax.model._write` does today (32 writes in one jitted loop into an 8.6 GB pool): the scatter wins for decode-size
 writes (64 rows: 10.3 vs 14.6 us), the Pallas row store for prefill-size ones (8192 rows: 15.3 vs 41.0 us), so
@@ -81,8 +84,7 @@ def paged_block_sparse_attention(q_THD: jax.Array, k_pages: jax.Array, v_pages: 
     _, ps, K, _ = k_pages.shape
     R, _ = page_table_RN.shape
     tiles = tuning.sparse_tiles(T, R, blocks_TGN.shape[-1], H // K)
-    # A query block of several tokens loads their selections as a [bt, topk] tile: topk must be a power of 2.
-    use, interpret = _kernel_mode(impl, ps, D, H // K, *((blocks_TGN.shape[-1],) if tiles.bt > 1 else ()))
+    use, interpret = _kernel_mode(impl, ps, D, H // K)  # any top-k: the kernels pad it to a power of two
     if not use:
         return _msa_ref.paged_block_sparse_attention(q_THD, k_pages, v_pages, page_table_RN, token_row_T, pos_T,
                                                      blocks_TGN, scale=scale)

@@ -29,7 +29,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.attention.ragged import QueryBlocks, query_blocks, whole_pages
-from pallas_kernels.attention.tuning import AttentionTiles
+from pallas_kernels.attention.tuning import AttentionTiles, pow2_at_least
 
 # Finite start for the running max: exp(M_INIT - m) underflows to 0 for any real score, and a fully masked
 # page keeps m = M_INIT with p = exp(-inf) = 0 instead of producing exp(-inf - -inf) = NaN.
@@ -57,10 +57,13 @@ def _attention_kernel(start_ref, length_ref, row_ref, max_pos_ref, count_ref, pa
     if sparse:
         num_entries = count_ref[qb, g]
         if per_token_check:
-            # Several tokens share the program: each attends only to the pages it selected itself.
+            # Several tokens share the program: each attends only to the pages it selected itself. The
+            # selections are loaded as a [bt, N'] tile, N' = top-k rounded up to a power of two (Triton tiles);
+            # the extra columns read as -1, which no page matches, so any top-k gives the same masks.
             N = blocks_ref.shape[-1]
-            sel_BN = plgpu.load(blocks_ref.at[pl.ds(t0, bt), g, :],
-                                mask=jnp.broadcast_to(tok_ok_B[:, None], (bt, N)), other=-1)
+            n_sel = pow2_at_least(N)
+            sel_ok_BN = tok_ok_B[:, None] & (lax.broadcasted_iota(jnp.int32, (n_sel,), 0) < N)[None, :]
+            sel_BN = plgpu.load(blocks_ref.at[pl.ds(t0, bt), g, pl.ds(0, n_sel)], mask=sel_ok_BN, other=-1)
     else:
         num_entries = jnp.where(n > 0, jnp.minimum(max_pos_ref[qb] // ps + 1, P), 0)
     lo = split * per_split
@@ -164,8 +167,10 @@ def ragged_paged_attention(q_THD: jax.Array, k_pages: jax.Array, v_pages: jax.Ar
     per_token_check = sparse and bt > 1
     if blocks_TGN is None:
         blocks_TGN = jnp.zeros((1, 1, 1), jnp.int32)
-    # Triton tiles are powers of two: a split's entry vector is, and entries past the list are masked.
-    per_split = min(tiles.pages_per_split, 1 << max(0, (list_len - 1).bit_length()))
+    # Triton tiles are powers of two: a split's entry vector is one, its length rounded UP so that tiles meaning
+    # "no split" stay one split (the prefill's pages_per_split = P = 10, from max_model_len 1280, runs as one
+    # split of 16 entries, not two of 8); entries past the list are masked. Power-of-two tiles are unchanged.
+    per_split = min(pow2_at_least(tiles.pages_per_split), pow2_at_least(list_len))
     num_splits = -(-list_len // per_split)
 
     # Tiles that run past the token axis (a last query block of < bt tokens) are masked loads / stores.

@@ -42,7 +42,9 @@ class IndexTiles:
 @dataclasses.dataclass(frozen=True)
 class AttentionTiles:
     bt: int  # query tokens per program (M = bt * heads per KV group rows in each dot)
-    pages_per_split: int  # pages (entries of the page list) per program; > list length means no split
+    # Pages (entries of the page list) per program; > list length means no split. Any value: the kernel rounds it
+    # up to a power of two (its entry vector is a Triton tile) and masks the entries past the list.
+    pages_per_split: int
     num_warps: int = 4
     num_stages: int = 3
     key_tile: int | None = None  # keys per loop step (None: a whole page); half a page halves each stage's smem
@@ -56,7 +58,8 @@ class AttentionTiles:
     union_max_page_ratio: float = 0.0
 
 
-def _pow2_at_least(x: int) -> int:
+def pow2_at_least(x: int) -> int:
+    """The smallest power of two >= x (1 for x <= 1): what every Triton tile size must be."""
     return 1 << max(0, (x - 1).bit_length())
 
 
@@ -67,7 +70,7 @@ def _rows_per_request(num_tokens: int, num_rows: int) -> int:
 def index_tiles(num_tokens: int, num_rows: int, pages_per_row: int, index_heads: int) -> IndexTiles:
     rows = _rows_per_request(num_tokens, num_rows)
     # The dot needs M = bt * heads >= 16 rows on the matrix units (Triton's minimum).
-    min_bt = _pow2_at_least(max(1, -(-16 // index_heads)))
+    min_bt = pow2_at_least(max(1, -(-16 // index_heads)))
     if rows <= DECODE_ROWS_PER_REQUEST:
         # Bandwidth-bound: long page streams per program pipeline best, as long as the grid still holds ~2
         # programs per SM (H200, batch 64, kernel alone: 8k 16 pages/program 1.77x its floor vs 8 pages 2.3x;
@@ -78,13 +81,13 @@ def index_tiles(num_tokens: int, num_rows: int, pages_per_row: int, index_heads:
         # hundreds of blocks alone (16k 109.0 against 83.0 us, 32k 159.8 against 151.7, 128k 619 against 550;
         # benchmarks/results/attention-h200-fused-1.json and -fused-2.json).
         topk = "fused" if pages_per_row <= FUSED_TOPK_MAX_PAGES else "pallas"
-        return IndexTiles(bt=max(min_bt, _pow2_at_least(rows)), bp=min(64, max(8, _pow2_at_least(want))),
+        return IndexTiles(bt=max(min_bt, pow2_at_least(rows)), bp=min(64, max(8, pow2_at_least(want))),
                           topk=topk, block_tokens=1 if num_tokens <= num_rows else None)
     # Prefill: compute-bound; M = 64 rows per dot (8k chunk: 180 us vs 237 us at M = 128), 32 pages per program
     # (8k chunk, kernel-busy: 16 pages 146.5 / 147.9 us against 153.7 / 152.3 us with 8 in two cases of one run,
     # attention-h200-prefill-4.json; 32 pages 133.2-133.7 us against 145.6-146.7 us with 16 in three cases of the
     # next, attention-h200-prefill-5.json).
-    return IndexTiles(bt=max(min_bt, _pow2_at_least(max(1, 64 // index_heads))), bp=32)
+    return IndexTiles(bt=max(min_bt, pow2_at_least(max(1, 64 // index_heads))), bp=32)
 
 
 def sparse_tiles(num_tokens: int, num_rows: int, topk: int, heads_per_group: int) -> AttentionTiles:
@@ -126,10 +129,10 @@ def dense_tiles(num_tokens: int, num_rows: int, pages_per_row: int, num_kv_heads
         # ran 1.17-1.23x the floor, 4 splits 1.24x, 2 splits 1.22x), but never under 16 pages per split: the
         # merge of partials then costs more than it gains (8k: 8 pages 1.44x, 16 pages 1.30x, 32 pages 1.29x).
         want_splits = max(1, 16 * NUM_SMS // max(1, num_rows * num_kv_heads))
-        per_split = max(16, _pow2_at_least(-(-pages_per_row // want_splits)))
-        return AttentionTiles(bt=_pow2_at_least(rows), pages_per_split=per_split)
+        per_split = max(16, pow2_at_least(-(-pages_per_row // want_splits)))
+        return AttentionTiles(bt=pow2_at_least(rows), pages_per_split=per_split)
     # M = 128 rows: the flash-attention forward shape (M = 256 exceeds the 227 KB of shared memory). 3 stages:
     # 8k chunk, kernel-busy, two cases in one run, 2,697 / 2,720 us against 2,883 / 2,907 us with 2
     # (attention-h200-prefill-4.json; before the unmasked whole-page loop, 2 stages had measured faster).
-    bt = _pow2_at_least(max(1, 128 // heads_per_group))
+    bt = pow2_at_least(max(1, 128 // heads_per_group))
     return AttentionTiles(bt=bt, pages_per_split=pages_per_row, num_warps=8, num_stages=3)

@@ -80,7 +80,9 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[32, 128])
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--max-num-seqs", type=int, default=128)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
@@ -89,8 +91,10 @@ def main() -> None:
     from m3jax.settings import Settings
     from serving.core import EngineCore
 
-    settings = Settings(model=args.model, max_num_seqs=max(args.batches), max_model_len=args.context + 4 * args.steps
-                        + 64, max_num_batched_tokens=args.max_num_batched_tokens, progress=False)
+    # The serve benchmark's settings by default, so its compiled steps load from the same cache.
+    settings = Settings(model=args.model, max_num_seqs=max(args.max_num_seqs, *args.batches),
+                        max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
+                        progress=False)
     t0 = time.perf_counter()
     core = EngineCore(settings)  # never started: this thread steps it
     startup = time.perf_counter() - t0

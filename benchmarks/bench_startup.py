@@ -4,7 +4,7 @@ Three measurements, each run in fresh processes so that only what is on disk can
 
 - `shapes`: one step executable per token bucket, for m3-slice (4 layers) and m3-full (60 layers), built from
   abstract weights (shapes only: nothing is allocated, so m3-full fits anywhere). Per bucket: tracing +
-  lowering, and XLA's compile when a GPU is present (`--lower-platform cuda` lowers for an H200 on a CPU-only
+  lowering, and XLA's compile when a GPU is present (without one it lowers for an abstract H200: the Pallas
   machine: the Pallas Triton lowering runs, the compile does not). The projected cold start of m3-full is the
   sum over its buckets.
 - `serve`: `m3jax serve` from process start to its ready line, with an empty cache (cold) and again (warm).
@@ -94,16 +94,20 @@ def measure_shapes(args: argparse.Namespace) -> list[dict[str, Any]]:
                              cache_dir=None)
         for tokens in args.buckets:
             abstract = runner._abstract_args(tokens)
+            if not gpu:  # shapes only: CPU placements would not match the abstract GPU
+                abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), abstract)
             t0 = time.perf_counter()
-            traced = runner._fn.trace(*abstract)
-            t1 = time.perf_counter()
             if gpu:
+                traced = runner._fn.trace(*abstract)
+                t1 = time.perf_counter()
                 lowered = traced.lower()
             else:
                 from pallas_kernels.gpu_lowering import abstract_gpu
 
                 with abstract_gpu():
-                    lowered = traced.lower(lowering_platforms=(args.lower_platform,))
+                    traced = runner._fn.trace(*abstract)
+                    t1 = time.perf_counter()
+                    lowered = traced.lower(lowering_platforms=("cuda",))
             t2 = time.perf_counter()
             compile_s = None
             if gpu:
@@ -113,7 +117,7 @@ def measure_shapes(args: argparse.Namespace) -> list[dict[str, Any]]:
                    "runs": len(model.cfg.layer_runs), "tokens": tokens, "rows": runner.rows_for(tokens),
                    "trace_s": t1 - t0, "lower_s": t2 - t1, "compile_s": compile_s,
                    "total_s": t2 - t0 + (compile_s or 0.0), "moe_format": args.moe_format,
-                   "lowered_for": "gpu" if gpu else args.lower_platform, "device": _device(), "git_rev": _rev()}
+                   "lowered_for": "gpu" if gpu else "abstract H200", "device": _device(), "git_rev": _rev()}
             print(json.dumps(rec), flush=True)
             records.append(rec)
     by = {(r["preset"], r["tokens"]): r["total_s"] for r in records}
@@ -157,8 +161,13 @@ def time_to_ready(serve_args: list[str], cache: str, timeout: float) -> dict[str
 
 
 def measure_serve(args: argparse.Namespace, label: str, serve_args: list[str]) -> list[dict[str, Any]]:
+    """Cold (empty cache directory) then warm. `--cache-dir` keeps the cache for later commands; it must not
+    exist yet, so the cold start is cold."""
     records = []
-    with tempfile.TemporaryDirectory(prefix="m3jax-startup-") as cache:
+    keep = getattr(args, "cache_dir", None)
+    if keep and Path(keep).exists():
+        raise SystemExit(f"--cache-dir {keep} exists: a cold start needs an empty one")
+    with (contextlib.nullcontext(keep) if keep else tempfile.TemporaryDirectory(prefix="m3jax-startup-")) as cache:
         for start in ("cold", "warm"):
             rec = {"op": "serve_startup", "case": label, "start": start, "args": serve_args,
                    **time_to_ready(serve_args, cache, args.timeout), "device": _device(), "git_rev": _rev()}
@@ -206,12 +215,12 @@ def main() -> None:
     sh.add_argument("--max-model-len", type=int, default=8192)
     sh.add_argument("--num-pages", type=int, default=64, help="abstract only: the pool is never allocated")
     sh.add_argument("--moe-format", default="bf16", choices=("bf16", "mxfp8", "mxfp4"))
-    sh.add_argument("--lower-platform", default="cuda", help="without a GPU: lower for this platform")
     sv = sub.add_parser("serve")
     sv.add_argument("--model", default="m3-slice")
     sv.add_argument("--max-num-seqs", type=int, default=128)
     sv.add_argument("--max-num-batched-tokens", type=int, default=8192)
     sv.add_argument("--max-model-len", type=int, default=None)
+    sv.add_argument("--cache-dir", default=None, help="keep the compiled steps here (a new directory)")
     dp = sub.add_parser("depth")
     dp.add_argument("--depths", type=int, nargs="+", default=[6, 48])
     for p in (sh, sv, dp):

@@ -25,7 +25,7 @@ from typing import Any
 import jax
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
 
-__all__ = ["TRITON_CUSTOM_CALL", "count_triton_kernels", "lower_for_gpu"]
+__all__ = ["TRITON_CUSTOM_CALL", "abstract_gpu", "count_triton_kernels", "lower_for_gpu"]
 
 TRITON_CUSTOM_CALL = "__gpu$xla.gpu.triton"
 
@@ -41,18 +41,22 @@ def _abstract(x: Any) -> Any:
     return jax.ShapeDtypeStruct(x.shape, x.dtype)
 
 
+def abstract_gpu(device_kind: str = "NVIDIA H200", num_cores: int | None = None) -> Any:
+    """Context in which `traced.lower(lowering_platforms=("cuda",))` lowers for one abstract `device_kind` GPU."""
+    cores = num_cores if num_cores is not None else _NUM_CORES.get(device_kind, 132)
+    device = AbstractDevice(device_kind=device_kind, num_cores=cores, platform="gpu")
+    return use_abstract_mesh(AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=device))
+
+
 def lower_for_gpu(fn: Callable[..., Any], *args: Any, device_kind: str = "NVIDIA H200",
                   num_cores: int | None = None) -> str:
     """StableHLO text of `fn(*args)` lowered for one abstract `device_kind` GPU (CUDA), Pallas kernels through
     the Triton lowering. Raises whatever the lowering raises (e.g. ValueError for a non-power-of-two array
     inside a kernel). `fn`: a plain function (jitted here) or a jitted one (its static / donated arguments are
     kept); `args`: jax.ShapeDtypeStruct or arrays, in any pytree."""
-    cores = num_cores if num_cores is not None else _NUM_CORES.get(device_kind, 132)
-    device = AbstractDevice(device_kind=device_kind, num_cores=cores, platform="gpu")
-    mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=device)
     jitted = fn if hasattr(fn, "trace") else jax.jit(fn)
     abstract_args = jax.tree.map(_abstract, args)
-    with use_abstract_mesh(mesh):
+    with abstract_gpu(device_kind, num_cores):
         lowered = jitted.trace(*abstract_args).lower(lowering_platforms=("cuda",))
     return lowered.as_text()
 

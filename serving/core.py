@@ -31,6 +31,7 @@ from m3jax.api import M3Model, embedded_model_path, load_model
 from m3jax.batch import KVPages
 from m3jax.config import PRESETS
 from m3jax.settings import Settings
+from serving.executables import enable_xla_cache
 from serving.kv_cache import PageAllocator
 from serving.outputs import CompletionOutput, Logprob, RequestOutput, SamplingParams
 from serving.request import FinishReason, Request
@@ -89,6 +90,7 @@ class EngineCore:
         cache_dir = None
         if settings.enable_compilation_cache and settings.compilation_cache_dir:
             cache_dir = Path(settings.compilation_cache_dir).expanduser()
+            enable_xla_cache(cache_dir / "xla")
         if model is None:
             model, tokenizer = load(settings)
         self.model, self.tokenizer = model, tokenizer

@@ -5,8 +5,10 @@ tens of seconds per shape. Here the whole compiled executable is serialized (`ja
 serialize_executable`) under a key of everything that shapes it: the model config, the kernel choice, dtype,
 sharding, the step's shapes, the jax / jaxlib versions, the devices, and a hash of the source files that
 define the step (m3jax, pallas_kernels, serving). Any difference is another key; a file that fails to load is
-recompiled and replaced. JAX's own persistent cache is not turned on by the engine: an executable that XLA:CPU
-read back from it does not survive a second serialization, so such executables are never written here.
+recompiled and replaced. JAX's own persistent cache sits beside it (`xla/`) for everything else start-up
+compiles (weight preparation, random presets, pools) and as a fallback for the step; an executable that XLA:CPU
+read back from that cache does not survive a second serialization ("Function ... not found" when loaded), so
+such executables are never written here.
 """
 
 from __future__ import annotations
@@ -39,6 +41,14 @@ def source_hash() -> str:
             h.update(str(path.relative_to(root)).encode())
             h.update(path.read_bytes())
     return h.hexdigest()
+
+
+def enable_xla_cache(directory: Path) -> None:
+    """JAX's persistent compilation cache, for what start-up compiles besides the step executables."""
+    directory.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(directory))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 @contextlib.contextmanager

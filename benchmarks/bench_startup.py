@@ -133,7 +133,8 @@ def measure_shapes(args: argparse.Namespace) -> list[dict[str, Any]]:
 # ---- serve / depth: process start to ready ------------------------------------------------------------------
 
 def time_to_ready(serve_args: list[str], cache: str, timeout: float) -> dict[str, Any]:
-    env = {**os.environ, "M3JAX_COMPILATION_CACHE": cache, "PYTHONPATH": str(ROOT), "M3JAX_NO_PROGRESS": "1"}
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "M3JAX_COMPILATION_CACHE": cache, "PYTHONPATH": path, "M3JAX_NO_PROGRESS": "1"}
     cmd = [sys.executable, "-m", "m3jax", "serve", "--grpc-port", "0", "--http-port", "0", *serve_args]
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -29,13 +29,11 @@ from pallas_kernels.moe import layout
 FORMATS = ("bf16", "mxfp8", "mxfp4")
 
 
-@jax.jit
-def _layer(stacked: Any, j: jax.Array) -> Any:
-    return jax.tree.map(lambda x: x[j], stacked)
-
-
-@functools.partial(jax.jit, donate_argnums=(0,))
-def _set_layer(stacked: Any, j: jax.Array, one: Any) -> Any:
+@functools.partial(jax.jit, static_argnums=(3,), donate_argnums=(0,))
+def _prepare_layer_into(stacked: Any, moe: dict[str, Any], j: jax.Array, fmt: str) -> Any:
+    """Layer j's kernel layout written into the stacked result in one program: XLA slices, stacks the shared
+    expert and quantises straight into the donated buffer, so no per-layer copy is ever materialised."""
+    one = _kernel_experts(jax.tree.map(lambda x: x[j], moe), fmt)
     return jax.tree.map(lambda a, b: a.at[j].set(b), stacked, one)
 
 
@@ -74,12 +72,10 @@ def prepare_run(moe: dict[str, Any], fmt: str = "bf16", *, keep_reference: bool 
     layer's intermediates are ever on the device."""
     _check(moe, fmt)
     n = moe["router"].shape[0]
-    stacked = None
+    one = jax.eval_shape(lambda m: _kernel_experts(jax.tree.map(lambda x: x[0], m), fmt), moe)
+    stacked = jax.tree.map(lambda x: jnp.zeros((n, *x.shape), x.dtype), one)
     for j in range(n):
-        one = _kernel_experts(_layer(moe, j), fmt)
-        if stacked is None:
-            stacked = jax.tree.map(lambda x: jnp.zeros((n, *x.shape), x.dtype), one)
-        stacked = _set_layer(stacked, j, one)
+        stacked = _prepare_layer_into(stacked, moe, jnp.int32(j), fmt)
     # The wide-scale marker reads the whole stack: one structure for every layer of the scan.
     return _assemble(moe, stacked, layout.num_slots(one), keep_reference)
 

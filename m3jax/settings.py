@@ -7,7 +7,8 @@ Everything else derives from it:
 - the engine, the model loader, the kernel dispatch and the servers read the fields they need.
 
 Environment variables only set defaults, read once when a `Settings` is built: M3JAX_ATTENTION_IMPL and
-M3JAX_MOE_IMPL (kernel choice), M3JAX_COMPILATION_CACHE (cache directory), M3JAX_API_KEY, M3JAX_NO_PROGRESS.
+M3JAX_MOE_IMPL (kernel choice), M3JAX_COMPILATION_CACHE (cache directory), M3JAX_API_KEY, M3JAX_LOG_FORMAT,
+M3JAX_NO_PROGRESS.
 """
 
 from __future__ import annotations
@@ -53,6 +54,9 @@ class Settings:
     moe_weight_format: str = knob("bf16", "how the MoE kernels hold expert weights on the device (mxfp8 / mxfp4: "
                                   "8 / 4 bits, widened inside the kernel)", MODEL, choices=("bf16", "mxfp8", "mxfp4"))
     seed: int = knob(0, "seed of preset models' random weights and of unseeded requests' sampling seeds", MODEL)
+    gpu_memory_fraction: float = knob(0.92, "fraction of each GPU's memory the process may take (weights, KV cache, "
+                                      "activations); applied when the engine is the first to start JAX",
+                                      MODEL, env="XLA_PYTHON_CLIENT_MEM_FRACTION")
     # ---- engine ----
     max_model_len: int | None = knob(None, "longest request, prompt plus output, in tokens (default: the "
                                      "checkpoint's limit, at most 4096)", ENGINE)
@@ -80,18 +84,28 @@ class Settings:
     moe_kernels: str = knob("auto", "the MoE grouped GEMMs (auto: Pallas on one GPU, jnp references elsewhere)",
                             KERNELS, choices=KERNEL_CHOICES, env="M3JAX_MOE_IMPL")
     # ---- server ----
-    host: str = knob("127.0.0.1", "address both servers bind (default: loopback only)", SERVER)
+    host: str = knob("127.0.0.1", "address both servers bind (127.0.0.1: this machine only; 0.0.0.0: every "
+                     "interface)", SERVER)
     grpc_port: int = knob(50051, "gRPC port (0: any free port; -1: no gRPC server)", SERVER)
     http_port: int = knob(8000, "OpenAI-compatible HTTP port (0: any free port; -1: no HTTP server)", SERVER)
-    served_model_name: str | None = knob(None, "the name clients pass as `model` (default: --model as given, or "
-                                         "m3jax/tiny)", SERVER)
+    served_model_name: str | None = knob(None, "the name clients pass as `model` (unset: --model as given, or "
+                                         "m3jax/tiny for the embedded model)", SERVER, metavar="NAME")
     max_queue: int = knob(256, "requests admitted and not finished, across both servers; past it: HTTP 429 / "
-                          "RESOURCE_EXHAUSTED", SERVER)
+                          "RESOURCE_EXHAUSTED", SERVER, metavar="N")
     api_key: str | None = knob(None, "require `Authorization: Bearer KEY` on /v1/* and as gRPC metadata", SERVER,
                                env="M3JAX_API_KEY", metavar="KEY")
     shutdown_timeout: float = knob(30.0, "seconds in-flight requests get to finish on SIGINT / SIGTERM before "
-                                   "they are aborted", SERVER)
+                                   "they are aborted (a second signal aborts them at once)", SERVER,
+                                   metavar="SECONDS")
+    max_request_body_mb: float | None = knob(
+        None, "largest HTTP request body in MiB; a larger one is refused (413) before it is read (unset: 1 MiB "
+        "plus 32 bytes per token of the model length)", SERVER, metavar="MIB")
     log_level: str = knob("INFO", "logging level", SERVER, choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    log_format: str = knob("text", "log lines as text or as one JSON object per line (for log collectors)",
+                           SERVER, choices=("text", "json"), env="M3JAX_LOG_FORMAT")
+    throughput_log_interval: float = knob(10.0, "seconds between throughput log lines while serving (tokens/s, "
+                                          "running and waiting requests, KV cache use; 0: none)", SERVER,
+                                          metavar="SECONDS")
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -106,6 +120,8 @@ class Settings:
         for name in ("max_model_len", "kv_cache_pages"):
             if getattr(self, name) is not None and getattr(self, name) < 2:
                 raise ValueError(f"{flag(name)} must be at least 2, got {getattr(self, name)}")
+        if not 0 < float(self.gpu_memory_fraction) <= 1:
+            raise ValueError(f"{flag('gpu_memory_fraction')} must be in (0, 1], got {self.gpu_memory_fraction}")
         if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
             raise ValueError(f"{flag('kv_cache_memory_gb')} must be positive, got {self.kv_cache_memory_gb}")
         if self.kv_cache_pages is not None and self.kv_cache_memory_gb is not None:
@@ -114,8 +130,16 @@ class Settings:
             if not -1 <= getattr(self, name) <= 65535:
                 raise ValueError(f"{flag(name)} must be a port in 0..65535 (or -1 for none), got "
                                  f"{getattr(self, name)}")
-        if self.shutdown_timeout < 0:
-            raise ValueError(f"{flag('shutdown_timeout')} must be >= 0, got {self.shutdown_timeout}")
+        if self.grpc_port == self.http_port == -1:
+            raise ValueError(f"{flag('grpc_port')} -1 and {flag('http_port')} -1: at least one server must run")
+        if self.grpc_port == self.http_port and self.grpc_port > 0:
+            raise ValueError(f"{flag('grpc_port')} and {flag('http_port')} are both {self.grpc_port}: the two "
+                             "servers need two ports")
+        for name in ("shutdown_timeout", "throughput_log_interval"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{flag(name)} must be >= 0, got {getattr(self, name)}")
+        if self.max_request_body_mb is not None and self.max_request_body_mb <= 0:
+            raise ValueError(f"{flag('max_request_body_mb')} must be positive, got {self.max_request_body_mb}")
 
     # ---- derived values ---------------------------------------------------------------------------------------
     def compute_dtype(self) -> str:
@@ -124,6 +148,14 @@ class Settings:
         import jax
 
         return "bfloat16" if jax.default_backend() == "gpu" else "float32"
+
+    def apply_memory_fraction(self) -> None:
+        """JAX reads its GPU memory fraction once, when its first backend starts: set it before that (a no-op
+        once JAX is running, e.g. in a notebook that used it already)."""
+        from jax._src import xla_bridge
+
+        if not xla_bridge.backends_are_initialized():
+            os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = str(self.gpu_memory_fraction)
 
     def kernel_choice(self) -> KernelChoice:
         """The static kernel choice of the forward, resolved for this backend and device count."""

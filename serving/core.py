@@ -73,6 +73,15 @@ def load(settings: Settings) -> tuple[M3Model, M3Tokenizer | None]:
     return model, tokenizer
 
 
+def model_len(settings: Settings, limit: int) -> int:
+    """The engine's model length: --max-model-len, or the model's limit capped at 4096; above the limit is an
+    error, not a silent clamp."""
+    if settings.max_model_len is not None and settings.max_model_len > limit:
+        raise ValueError(f"--max-model-len {settings.max_model_len} is above this model's limit of {limit} "
+                         "tokens (max_position_embeddings)")
+    return settings.max_model_len or min(limit, 4096)
+
+
 @dataclasses.dataclass
 class _Client:
     """What the core keeps for a request's outputs beyond the scheduler's state."""
@@ -87,6 +96,7 @@ class _Client:
 class EngineCore:
     def __init__(self, settings: Settings, model: M3Model | None = None, tokenizer: M3Tokenizer | None = None):
         self.settings = settings
+        settings.apply_memory_fraction()
         cache_dir = None
         if settings.enable_compilation_cache and settings.compilation_cache_dir:
             cache_dir = Path(settings.compilation_cache_dir).expanduser()
@@ -95,8 +105,7 @@ class EngineCore:
             model, tokenizer = load(settings)
         self.model, self.tokenizer = model, tokenizer
         mcfg = model.cfg
-        self.max_model_len = min(settings.max_model_len or min(mcfg.max_position_embeddings, 4096),
-                                 mcfg.max_position_embeddings)
+        self.max_model_len = model_len(settings, mcfg.max_position_embeddings)
         self.eos_token_ids = frozenset(mcfg.eos_token_ids) | frozenset(tokenizer.eos_token_ids if tokenizer else ())
         num_pages = self._num_pages()
         self.scheduler = Scheduler(
@@ -157,12 +166,17 @@ class EngineCore:
         if len(ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(ids)} tokens; this server's model length is "
                              f"{self.max_model_len} (prompt plus at least one generated token)")
+        if len(ids) + params.max_tokens > self.max_model_len:
+            # Refused, not clamped: nothing a client asks for is silently changed (vLLM's servers answer 400).
+            raise ValueError(f"max_tokens {params.max_tokens} is too large: the prompt has {len(ids)} tokens and "
+                             f"the model length is {self.max_model_len} ({params.max_tokens} > "
+                             f"{self.max_model_len} - {len(ids)})")
         detok = (IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
                  if self.tokenizer is not None else None)
         req = Request(
             request_id=request_id or uuid.uuid4().hex,
             prompt_ids=ids,
-            max_tokens=min(params.max_tokens, self.max_model_len - len(ids)),
+            max_tokens=params.max_tokens,
             stop_token_ids=frozenset(params.stop_token_ids or ()),
             ignore_eos=params.ignore_eos,
             eos_token_ids=self.eos_token_ids,

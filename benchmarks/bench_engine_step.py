@@ -33,6 +33,7 @@ def measure(core: Any, batch: int, context: int, steps: int) -> dict[str, Any]:
     import jax
 
     from serving.outputs import SamplingParams
+    from serving.sampling import TokenConstraints
     from serving.scheduler import ScheduledRow, SchedulerOutput
 
     cfg = core.model.cfg
@@ -55,18 +56,27 @@ def measure(core: Any, batch: int, context: int, steps: int) -> dict[str, Any]:
     runner = core.runner
     rows = [ScheduledRow(r.seq, [int(rng.integers(0, cfg.vocab_size))], r.num_computed, list(r.pages), True, r.slot,
                          r.sampling, r.num_prompt, r.num_output) for r in core.scheduler.running]
-    num_tokens, host_args, _ = runner.inputs(SchedulerOutput(rows, []))
-    device_args = jax.device_put(host_args)
-    outs = [runner.run(num_tokens, device_args) for _ in range(2)]
+    num_tokens, forward_args, sampling, _ = runner.inputs(SchedulerOutput(rows, []))
+    forward_args, sampling = jax.device_put((forward_args, sampling))
+    rows_n = sampling.num_rows
+    fwd, smp = runner.executable("forward", num_tokens), runner.executable("sample", rows_n)
+    constraints = jax.device_put(TokenConstraints.empty(rows_n, cfg.vocab_size))
+
+    def bare_step() -> Any:
+        runner.kv, runner.history, logits = fwd(runner.model.params, runner.kv, runner.history, runner.prev_tokens,
+                                                 *forward_args)
+        runner.prev_tokens, out = smp(logits, runner.history, sampling, constraints)
+        return out
+
+    outs = [bare_step() for _ in range(2)]
     jax.block_until_ready(outs[-1].tokens)
     t0 = time.perf_counter()
     for _ in range(steps):
-        outs.append(runner.run(num_tokens, device_args))
+        outs.append(bare_step())
     jax.block_until_ready(outs[-1].tokens)
     bare = (time.perf_counter() - t0) / steps
     engine = statistics.median(t_engine[steps // 4:])
-    for rid in list(core._by_id):
-        core.abort(rid)
+    core.abort_all()
     while core.has_work():
         core.step()
     return {"op": "engine_decode_step", "batch": batch, "context": context, "engine_step_s": engine,

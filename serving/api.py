@@ -8,6 +8,7 @@ a client of an `EngineCore` whose own thread does all the stepping, so `generate
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -18,6 +19,17 @@ from serving.engine import AsyncEngine
 from serving.outputs import RequestOutput, SamplingParams
 
 Message = Mapping[str, Any]
+
+
+def merge_choices(outputs: list[RequestOutput]) -> RequestOutput:
+    """The finished outputs of one request's n choices as one RequestOutput, choices in index order."""
+    if len(outputs) == 1:
+        return outputs[0]
+    first = min(outputs, key=lambda o: o.outputs[0].index)
+    errors = [o.error for o in outputs if o.error is not None]
+    return dataclasses.replace(first, outputs=sorted((o.outputs[0] for o in outputs), key=lambda c: c.index),
+                               delta_text="", delta_token_ids=[], error=errors[0] if errors else None,
+                               rejected=any(o.rejected for o in outputs))
 
 
 class LLM:
@@ -49,7 +61,7 @@ class LLM:
         prepared = []
         for i, (prompt, p) in enumerate(zip(prompts, per_prompt, strict=True)):
             try:
-                prepared.append(self.core.prepare(prompt, p))
+                prepared.append(self.core.prepare_group(prompt, p))
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from e
         return self._run(prepared, use_tqdm)
@@ -66,25 +78,29 @@ class LLM:
         return self.generate(prompts, params, use_tqdm)
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[RequestOutput]:
-        """Yield a RequestOutput per generated token (`delta_text` is the new text); the last one is finished.
-        Leaving the loop early aborts the request."""
-        req, text = self.core.prepare(prompt, params)
+        """Yield a RequestOutput per generated token (`delta_text` is the new text; with n > 1 each carries one
+        choice, `outputs[0].index` says which); the last one of each choice is finished. Leaving the loop early
+        aborts the request."""
+        group = self.core.prepare_group(prompt, params)
         updates: queue.Queue[RequestOutput] = queue.Queue()
-        rid = self.core.submit(req, text, sink=updates.put)
-        done = False
+        for req, text in group:
+            rid = self.core.submit(req, text, sink=updates.put)
+        rid = group[0][0].parent_id or rid
+        left = len(group)
         try:
-            while not done:
+            while left:
                 out = updates.get()
                 if out.error is not None:
-                    done = True
+                    left = 0
                     raise (ValueError if out.rejected else RuntimeError)(out.error)
-                done = out.finished
+                left -= out.finished
                 yield out
         finally:
-            if not done:
+            if left:
                 self.core.abort(rid)
 
-    def _run(self, prepared: list, use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, prepared: list[list], use_tqdm: bool) -> list[RequestOutput]:
+        """Submit every prepared group, wait for all; one RequestOutput per group, its choices in index order."""
         from tqdm.auto import tqdm
 
         finished: queue.Queue[RequestOutput] = queue.Queue()
@@ -93,14 +109,22 @@ class LLM:
             if out.finished:
                 finished.put(out)
 
-        ids = [self.core.submit(req, text, sink) for req, text in prepared]
-        results: dict[str, RequestOutput] = {}
+        ids = []
+        for group in prepared:
+            for req, text in group:
+                self.core.submit(req, text, sink)
+            ids.append(group[0][0].parent_id or group[0][0].request_id)
+        want = {rid: len(group) for rid, group in zip(ids, prepared, strict=True)}
+        results: dict[str, list[RequestOutput]] = {}
         with tqdm(total=len(ids), desc="generating", unit="req", disable=not use_tqdm or len(ids) < 2) as bar:
-            while len(results) < len(ids):
+            done = 0
+            while done < len(ids):
                 out = finished.get()
-                results[out.request_id] = out
-                bar.update(1)
-        return [results[i] for i in ids]
+                results.setdefault(out.request_id, []).append(out)
+                if len(results[out.request_id]) == want[out.request_id]:
+                    done += 1
+                    bar.update(1)
+        return [merge_choices(results[i]) for i in ids]
 
     def async_engine(self) -> AsyncEngine:
         """The asyncio interface over this LLM's engine core (same core, same thread)."""

@@ -36,7 +36,7 @@ from serving.kv_cache import PageAllocator
 from serving.outputs import CompletionOutput, Logprob, RequestOutput, SamplingParams
 from serving.request import FinishReason, Request
 from serving.runner import InFlight, ModelRunner, StepFailed
-from serving.sampling import uses_penalty
+from serving.sampling import TokenConstraints, uses_penalty
 from serving.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from serving.stopping import TextState
 from serving.tokenizer import IncrementalDetokenizer, M3Tokenizer, StopChecker, TokenizerMissing
@@ -117,8 +117,11 @@ class EngineCore:
         self.stats: collections.Counter[str] = collections.Counter()
         self.last_step_seconds = 0.0
         self._rng = random.Random(settings.seed)
+        self._grammars: Any = None  # serving.structured.Grammars, made when a request first asks for one
+        self._grammars_lock = threading.Lock()
         self._clients: dict[int, _Client] = {}  # by Request.seq
         self._by_id: dict[str, int] = {}  # request id -> seq, for aborts
+        self._by_parent: dict[str, set[int]] = {}  # a client's id -> the seqs of its n > 1 choices
         self._inbox: collections.deque[tuple[str, Any]] = collections.deque()
         self._inflight: InFlight | None = None
         self._wake = threading.Event()
@@ -173,6 +176,9 @@ class EngineCore:
                              f"{self.max_model_len} - {len(ids)})")
         detok = (IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
                  if self.tokenizer is not None else None)
+        if params.logit_bias and max(params.logit_bias) >= self.model.cfg.vocab_size:
+            raise ValueError(f"logit_bias: token id {max(params.logit_bias)} is outside the vocabulary "
+                             f"[0, {self.model.cfg.vocab_size})")
         req = Request(
             request_id=request_id or uuid.uuid4().hex,
             prompt_ids=ids,
@@ -182,11 +188,44 @@ class EngineCore:
             eos_token_ids=self.eos_token_ids,
             sampling=params,
             text=TextState(detok, StopChecker(params.stops)),
+            grammar=self._compile_grammar(params),
             # The penalty history is recorded on the device from the tokens a step feeds: a request that skipped
             # its cached prefix would miss them.
             use_prefix_cache=not uses_penalty(params),
         )
         return req, text
+
+    def prepare_group(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
+                      ) -> list[tuple[Request, str | None]]:
+        """`prepare` for `params.n` independent samples of one prompt: n requests ("<id>#<index>" inside the
+        core; their outputs carry the client's id and the choice index). The prompt is tokenised once; its pages
+        are shared through the prefix cache. A seeded request's choice i draws with seed + i."""
+        params = params if params is not None else SamplingParams()
+        if params.n == 1:
+            return [self.prepare(prompt, params, request_id)]
+        rid = request_id or uuid.uuid4().hex
+        base = dataclasses.replace(params, n=1)
+        first, text = self.prepare(prompt, base, rid)
+        group = []
+        for i in range(params.n):
+            child = dataclasses.replace(base, seed=None if params.seed is None else (params.seed + i) % 2**63)
+            req, _ = self.prepare(first.prompt_ids, child, f"{rid}#{i}")
+            req.parent_id, req.index = rid, i
+            group.append((req, text))
+        return group
+
+    def _compile_grammar(self, params: SamplingParams) -> Any:
+        if params.structured_outputs is None:
+            return None
+        if self.tokenizer is None:
+            raise ValueError("structured outputs need the model's tokenizer, and this model has none")
+        with self._grammars_lock:
+            if self._grammars is None:
+                from serving.structured import Grammars
+
+                self._grammars = Grammars(self.tokenizer.backend.to_str(), self.model.cfg.vocab_size,
+                                          sorted(self.eos_token_ids))
+        return self._grammars.compile(params.structured_outputs)
 
     def submit(self, req: Request, prompt_text: str | None = None, sink: Sink | None = None) -> str:
         """Queue a prepared request (thread-safe); it joins at the next step. Its outputs go to `sink`, called
@@ -194,6 +233,11 @@ class EngineCore:
         self._inbox.append(("add", _Client(req, prompt_text, sink)))
         self._wake.set()
         return req.request_id
+
+    def abort_all(self) -> None:
+        """Abort every request admitted or queued (thread-safe)."""
+        for rid in list(self._by_id):
+            self.abort(rid)
 
     def abort(self, request_id: str) -> None:
         """Abort a request (thread-safe): its pages are freed at the next step."""
@@ -226,8 +270,7 @@ class EngineCore:
         deadline = time.monotonic() + timeout
         while self.has_work() and time.monotonic() < deadline and self._thread is not None:
             time.sleep(0.01)
-        for rid in list(self._by_id):
-            self.abort(rid)
+        self.abort_all()
         while self.has_work() and time.monotonic() < deadline + 5 and self._thread is not None:
             time.sleep(0.01)
         self._stop = True
@@ -253,16 +296,49 @@ class EngineCore:
         launched = self._launch(scheduled, outputs) if scheduled.rows else None
         if self._inflight is not None:
             self._complete(self._inflight, outputs)
+        if launched is not None and launched.out is None:
+            # Grammar rows: their masks need the tokens just collected; the device runs the forward meanwhile.
+            self._sample_constrained(launched, outputs)
+            launched = launched if launched.out is not None else None
         self._inflight = launched
         if launched is not None and not self.settings.async_scheduling:
             self._inflight = None
             self._complete(launched, outputs)
         return outputs
 
+    def _sampled_requests(self, scheduled: SchedulerOutput) -> list[Request | None]:
+        """The request of each sampled row (None: finished meanwhile; its token will be dropped)."""
+        clients = [self._clients.get(r.seq) for r in scheduled.rows if r.sample]
+        return [c.req if c is not None else None for c in clients]
+
+    def _constraints(self, step_rows: list[Request | None], num_rows: int) -> TokenConstraints | None:
+        """Logit biases and grammar masks of a step's sampled rows (None when no row has either)."""
+        biases = [r.sampling.logit_bias if r is not None else None for r in step_rows]
+        grammars = [(r.grammar, i) for i, r in enumerate(step_rows) if r is not None and r.grammar is not None]
+        if not grammars and not any(biases):
+            return None
+        c = TokenConstraints.build(biases, num_rows, self.model.cfg.vocab_size)
+        if grammars:
+            self._grammars.fill_rows(grammars, c.allowed)
+        return c
+
+    def _sample_constrained(self, step: InFlight, outputs: list[RequestOutput]) -> None:
+        t0 = time.perf_counter()
+        constraints = self._constraints(self._sampled_requests(step.scheduled), step.num_rows)
+        self.stats["grammar_mask_us"] += int((time.perf_counter() - t0) * 1e6)
+        try:
+            self.runner.sample(step, constraints)
+        except StepFailed as e:
+            self._fail_all(e, outputs)
+            step.out = None
+
     def _launch(self, scheduled: SchedulerOutput, outputs: list[RequestOutput]) -> InFlight | None:
         t0 = time.perf_counter()
+        reqs = self._sampled_requests(scheduled)
+        defer = any(r is not None and r.grammar is not None for r in reqs)
         try:
-            step = self.runner.launch(scheduled)
+            step = self.runner.launch(scheduled, None if defer else self._constraints(reqs, self.runner.rows_for(
+                self.runner.bucket(scheduled.num_tokens))), defer_sampling=defer)
         except StepFailed as e:
             self._fail_all(e, outputs)
             return None
@@ -317,13 +393,16 @@ class EngineCore:
                     client.logprobs = []
                 self._clients[client.req.seq] = client
                 self._by_id[client.req.request_id] = client.req.seq
+                if client.req.parent_id is not None:
+                    self._by_parent.setdefault(client.req.parent_id, set()).add(client.req.seq)
                 self.stats["requests"] += 1
             elif kind == "abort":
-                seq = self._by_id.get(item)
-                client = self._clients.get(seq) if seq is not None else None
-                if client is not None:
-                    self.scheduler.finish(client.req, FinishReason.ABORT)
-                    self._emit(client, outputs, FinishReason.ABORT)
+                seqs = self._by_parent.get(item, {self._by_id[item]} if item in self._by_id else set())
+                for seq in sorted(seqs):
+                    client = self._clients.get(seq)
+                    if client is not None:
+                        self.scheduler.finish(client.req, FinishReason.ABORT)
+                        self._emit(client, outputs, FinishReason.ABORT)
 
     def _emit(self, client: _Client, outputs: list[RequestOutput], reason: FinishReason | None,
               delta_text: str = "", error: str | None = None, rejected: bool = False) -> None:
@@ -341,13 +420,18 @@ class EngineCore:
                 del self._clients[req.seq]
                 if self._by_id.get(req.request_id) == req.seq:
                     del self._by_id[req.request_id]
+                siblings = self._by_parent.get(req.parent_id or "")
+                if siblings is not None:
+                    siblings.discard(req.seq)
+                    if not siblings:
+                        del self._by_parent[req.parent_id]
             self.stats[f"finished_{reason.value}"] += 1
         text = req.text.text if req.text is not None else ""
         out = RequestOutput(
-            request_id=req.request_id,
+            request_id=req.parent_id or req.request_id,
             prompt=client.prompt,
             prompt_token_ids=req.prompt_ids,
-            outputs=[CompletionOutput(0, text, ids, reason.value if reason else None,
+            outputs=[CompletionOutput(req.index, text, ids, reason.value if reason else None,
                                       list(client.logprobs) if client.logprobs is not None else None,
                                       req.stop_reason if reason is FinishReason.STOP else None)],
             finished=finished,

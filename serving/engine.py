@@ -21,26 +21,27 @@ class AsyncEngine:
 
     async def generate(self, prompt: Prompt, params: SamplingParams | None = None,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Stream RequestOutputs of one request. Raises ValueError at once for a bad request and RuntimeError
-        when the engine failed it."""
+        """Stream RequestOutputs of one request (with n > 1, of each choice: `outputs[0].index` says which;
+        the stream ends when every choice has finished). Raises ValueError at once for a bad request and
+        RuntimeError when the engine failed it."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        req, text = self.core.prepare(prompt, params, request_id)
-        rid = self.core.submit(req, text, sink=lambda out: loop.call_soon_threadsafe(queue.put_nowait, out))
-        finished = False
+        group = self.core.prepare_group(prompt, params, request_id)
+        for req, text in group:
+            self.core.submit(req, text, sink=lambda out: loop.call_soon_threadsafe(queue.put_nowait, out))
+        rid = group[0][0].parent_id or group[0][0].request_id
+        left = len(group)
         try:
-            while True:
+            while left:
                 out = await queue.get()
                 if out.error is not None:
-                    finished = True  # an errored request is already finished: nothing to abort
+                    left = 0  # an errored request is already finished: nothing to abort
                     # A rejected request is the client's fault; a failed step is the server's.
                     raise (ValueError if out.rejected else RuntimeError)(out.error)
-                finished = out.finished
+                left -= out.finished
                 yield out
-                if finished:
-                    return
         finally:
-            if not finished:
+            if left:
                 self.core.abort(rid)
 
     def abort(self, request_id: str) -> None:

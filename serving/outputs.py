@@ -6,7 +6,10 @@ import dataclasses
 from collections.abc import Sequence
 
 from serving.sampling import DEFAULT_MAX_LOGPROBS as MAX_LOGPROBS
-from serving.sampling import validate_sampling
+from serving.sampling import MAX_LOGIT_BIAS, validate_sampling
+from serving.structured import StructuredOutputsParams
+
+MAX_N = 16  # choices per request
 
 
 @dataclasses.dataclass
@@ -25,7 +28,9 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     skip_special_tokens: bool = True
-    n: int = 1
+    n: int = 1  # independent samples of the same prompt (its pages shared through the prefix cache)
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    structured_outputs: StructuredOutputsParams | None = None  # a grammar the output must follow
 
     def __post_init__(self) -> None:
         self.validate()
@@ -36,8 +41,20 @@ class SamplingParams:
 
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens <= 0:
             raise bad("max_tokens", "must be a positive integer")
-        if self.n != 1:
-            raise bad("n", "only n=1 is supported (send several requests for several samples)")
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or not 1 <= self.n <= MAX_N:
+            raise bad("n", f"must be an integer in [1, {MAX_N}]")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or len(self.logit_bias) > MAX_LOGIT_BIAS:
+                raise bad("logit_bias", f"must map at most {MAX_LOGIT_BIAS} token ids to biases")
+            for tok, bias in self.logit_bias.items():
+                if not isinstance(tok, int) or isinstance(tok, bool) or tok < 0:
+                    raise ValueError(f"logit_bias: {tok!r} is not a token id")
+                if isinstance(bias, bool) or not isinstance(bias, int | float) or not -100 <= bias <= 100:
+                    raise ValueError(f"logit_bias[{tok}]: must be a number in [-100, 100], got {bias!r}")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise bad("structured_outputs", "must be a StructuredOutputsParams")
+            self.structured_outputs.validate()
         validate_sampling(self.temperature, self.top_p, self.top_k, self.min_p, self.repetition_penalty,
                           self.presence_penalty, self.frequency_penalty, self.logprobs, MAX_LOGPROBS)
         if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):

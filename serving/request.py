@@ -40,6 +40,11 @@ class Request:
     sampling: Any = None  # serving.outputs.SamplingParams, opaque to the scheduler
     # Text state (serving.stopping.TextState): detokeniser and stop strings; None for id-only models.
     text: Any = None
+    # serving.structured.GrammarState when the output must follow a grammar.
+    grammar: Any = None
+    # The client's request id and this request's choice among its n (`request_id` is then "<parent>#<index>").
+    parent_id: str | None = None
+    index: int = 0
     arrival: float = dataclasses.field(default_factory=time.monotonic)
 
     output_ids: list[int] = dataclasses.field(default_factory=list)

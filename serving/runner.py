@@ -1,19 +1,23 @@
 """The model executor: the only code that builds device arrays and calls the compiled step.
 
-A `SchedulerOutput` becomes a padded `Batch`; sampling parameters become `SamplingTensors`; one compiled call
-runs forward + sampling with the page pool, the penalty history and the previous step's tokens donated. Only
-token ids (and logprobs when asked) come back to the host, as a `ModelRunnerOutput`.
+A `SchedulerOutput` becomes a padded `Batch`; sampling parameters become `SamplingTensors`. A step is two
+compiled calls: the forward (page pool and penalty history donated) returns logits; sampling (biases, a
+grammar's allowed tokens, penalties, filters, the draw) returns tokens. Only token ids (and logprobs when
+asked) come back to the host, as a `ModelRunnerOutput`.
 
-Shapes: one executable per token bucket. The token count of a step is padded to the next bucket (powers of
-two from 8 up to `max_num_batched_tokens`) and its rows to min(bucket, max_num_seqs), the most rows that many
-tokens can hold, so the row count never multiplies the executables. The page table is always
-`max_model_len / page_size` wide (attention shapes never depend on the rest of the batch), and the penalty
-history is a fixed device table, so nothing a request asks for makes a new shape: after `warmup` the engine
-never compiles.
+Two calls rather than one so that a grammar's token mask, which needs the previous step's token on the host,
+is computed while the device runs the forward: `launch` dispatches the forward and, unless told to wait for
+constraints, the sampling; `sample` dispatches a deferred sampling; `collect` waits for the tokens.
 
-Async hand-off: `launch` dispatches a step and returns at once; `collect` waits for its tokens. A token the
-previous step samples is a placeholder in the next step's rows; the compiled step reads it from that step's
-device output (`prev_tokens`), so step N+1 is dispatched before step N's tokens reach the host.
+Shapes: one forward executable per token bucket and one sampling executable per row count. The token count of a
+step is padded to the next bucket (powers of two from 8 up to `max_num_batched_tokens`) and its rows to
+min(bucket, max_num_seqs), the most rows that many tokens can hold, so the row count never multiplies the
+executables. The page table is always `max_model_len / page_size` wide (attention shapes never depend on the
+rest of the batch), and the penalty history, logit biases and grammar masks have fixed shapes, so nothing a
+request asks for makes a new shape: after `warmup` the engine never compiles.
+
+Async hand-off: a token the previous step samples is a placeholder in the next step's rows; the forward reads it
+from that step's device output (`prev_tokens`), so step N+1 is dispatched before step N's tokens reach the host.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from serving.sampling import (
     PenaltyHistory,
     SampleOutput,
     SamplingTensors,
+    TokenConstraints,
     record_history,
     sample,
     uses_penalty,
@@ -67,28 +72,38 @@ class StepFailed(RuntimeError):
 
 @dataclasses.dataclass
 class InFlight:
-    """A dispatched step: its outputs are device arrays until `collect`."""
+    """A dispatched step: device arrays until `collect`."""
 
     scheduled: SchedulerOutput
     seqs: list[int]  # Request.seq of each sampled row, in row order
-    out: SampleOutput
+    logits: jax.Array  # [rows, V] of the forward
+    sampling: SamplingTensors  # host arrays
     want_logprobs: bool
+    out: SampleOutput | None = None  # set once sampling is dispatched
+
+    @property
+    def num_rows(self) -> int:
+        return self.sampling.num_rows
 
 
-def _step(params: Any, kv: KVPages, history: PenaltyHistory, prev_tokens: jax.Array, batch: Batch,
-          prev_index: jax.Array, history_rows: HistoryRows, sampling: SamplingTensors, *, cfg: Any,
-          kernels: KernelChoice, max_logprobs: int
-          ) -> tuple[KVPages, PenaltyHistory, jax.Array, SampleOutput]:
+def _forward(params: Any, kv: KVPages, history: PenaltyHistory, prev_tokens: jax.Array, batch: Batch,
+             prev_index: jax.Array, history_rows: HistoryRows, *, cfg: Any, kernels: KernelChoice
+             ) -> tuple[KVPages, PenaltyHistory, jax.Array]:
     # Placeholders: tokens the previous step sampled, taken from its device output.
     token_ids = jnp.where(prev_index >= 0, prev_tokens[jnp.maximum(prev_index, 0)], batch.token_ids)
     batch = dataclasses.replace(batch, token_ids=token_ids)
     history = record_history(history, history_rows, token_ids, batch.token_row, batch.positions,
                              batch.query_start[-1])
     out = forward(params, cfg, kv, batch, kernels)
-    sampled = sample(out.logits, sampling, max_logprobs, history)
-    # The next step's placeholders index this: one shape for every bucket.
-    next_prev = jnp.zeros_like(prev_tokens).at[: sampled.tokens.shape[0]].set(sampled.tokens)
-    return out.kv, history, next_prev, sampled
+    return out.kv, history, out.logits
+
+
+def _sample(logits: jax.Array, history: PenaltyHistory, sampling: SamplingTensors, constraints: TokenConstraints,
+            *, max_logprobs: int, num_prev: int) -> tuple[jax.Array, SampleOutput]:
+    sampled = sample(logits, sampling, max_logprobs, history, constraints)
+    # The next step's placeholders index this: one shape whatever the row count.
+    next_prev = jnp.zeros((num_prev,), jnp.int32).at[: sampled.tokens.shape[0]].set(sampled.tokens)
+    return next_prev, sampled
 
 
 class ModelRunner:
@@ -103,10 +118,13 @@ class ModelRunner:
         self.pages_per_row = -(-max_model_len // self.page_size)
         self.token_buckets = token_buckets(max_num_batched_tokens)
         self.cache = ExecutableCache(cache_dir) if cache_dir is not None else None
-        self._fn = jax.jit(functools.partial(_step, cfg=self.cfg, kernels=model.kernels,
-                                             max_logprobs=MAX_LOGPROBS), donate_argnums=(1, 2, 3))
-        self._executables: dict[int, Callable[..., Any]] = {}
-        self.compile_log: list[dict[str, Any]] = []  # one entry per executable made: bucket, how, seconds
+        self._fns = {
+            "forward": jax.jit(functools.partial(_forward, cfg=self.cfg, kernels=model.kernels), donate_argnums=(1, 2)),
+            "sample": jax.jit(functools.partial(_sample, max_logprobs=MAX_LOGPROBS, num_prev=max_num_seqs)),
+        }
+        self._executables: dict[tuple[str, int], Callable[..., Any]] = {}
+        self._no_constraints: dict[int, TokenConstraints] = {}  # device copies of the empty constraints, by rows
+        self.compile_log: list[dict[str, Any]] = []  # one entry per executable made: what, size, how, seconds
         self._reset_state()
 
     # ---- device state ------------------------------------------------------------------------------------------
@@ -127,68 +145,79 @@ class ModelRunner:
                 return b
         raise ValueError(f"{num_tokens} tokens exceed the largest bucket {self.token_buckets[-1]}")
 
-    def _abstract_args(self, num_tokens: int) -> tuple[Any, ...]:
-        """The step's arguments for a bucket as shapes, dtypes and placements: what tracing needs."""
-        rows = self.rows_for(num_tokens)
+    def _abstract_args(self, what: str, size: int) -> tuple[Any, ...]:
+        """An executable's arguments as shapes, dtypes and placements: what tracing needs. `size`: the token
+        bucket of a forward, the row count of a sampling."""
         replicated = self.model.rules.replicated()
 
         def spec(x: Any, sharding: Any = None) -> jax.ShapeDtypeStruct:
             return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding or getattr(x, "sharding", None))
 
-        batch, _ = build_batch([], self.page_size, num_tokens, rows, self.pages_per_row)
-        host = (batch, np.zeros(num_tokens, np.int32), HistoryRows.untracked(rows, self.max_num_seqs),
-                SamplingTensors.build([], [], rows, num_slots=self.max_num_seqs))
-        device = (self.model.params, self.kv, self.history, self.prev_tokens)
+        V = self.cfg.vocab_size
+        if what == "forward":
+            batch, _ = build_batch([], self.page_size, size, self.rows_for(size), self.pages_per_row)
+            host = (batch, np.zeros(size, np.int32), HistoryRows.untracked(self.rows_for(size), self.max_num_seqs))
+            device = (self.model.params, self.kv, self.history, self.prev_tokens)
+        else:
+            host = (SamplingTensors.build([], [], size, num_slots=self.max_num_seqs),
+                    TokenConstraints.empty(size, V))
+            device = (jax.ShapeDtypeStruct((size, V), jnp.float32, sharding=replicated), self.history)
         return (*jax.tree.map(spec, device), *jax.tree.map(lambda x: spec(x, replicated), host))
 
-    def _key(self, num_tokens: int) -> str:
+    def _key(self, what: str, size: int) -> str:
         m = self.model
-        return ExecutableCache.key("step", m.cfg, m.kernels, str(m.dtype), m.rules.mesh.shape, sorted(
-            m.rules.rules.items()), num_tokens, self.rows_for(num_tokens), self.pages_per_row, self.num_pages,
+        return ExecutableCache.key(what, m.cfg, m.kernels, str(m.dtype), m.rules.mesh.shape, sorted(
+            m.rules.rules.items()), size, self.rows_for(size), self.pages_per_row, self.num_pages,
             self.max_num_seqs, MAX_LOGPROBS, jax.tree.structure(m.params), [
                 (x.shape, str(x.dtype)) for x in jax.tree.leaves(m.params)])
 
-    def executable(self, num_tokens: int) -> Callable[..., Any]:
-        """The compiled step of a bucket: loaded from the cache, else traced, lowered, compiled (and saved)."""
-        exe = self._executables.get(num_tokens)
+    def executable(self, what: str, size: int) -> Callable[..., Any]:
+        """A forward (`size` = token bucket) or sampling (`size` = rows) executable: loaded from the cache, else
+        traced, lowered, compiled (and saved)."""
+        exe = self._executables.get((what, size))
         if exe is not None:
             return exe
         t0 = time.perf_counter()
-        key = self._key(num_tokens) if self.cache is not None else None
-        exe = self.cache.load(key, list(self.model.rules.mesh.devices.flat)) if self.cache is not None else None
+        key = self._key(what, size) if self.cache is not None else None
+        devices = list(self.model.rules.mesh.devices.flat)
+        exe = self.cache.load(key, devices) if self.cache is not None else None
         how = "loaded"
         if exe is None:
             with xla_cache_hits() as hits:
-                exe = self._fn.trace(*self._abstract_args(num_tokens)).lower().compile()
+                exe = self._fns[what].trace(*self._abstract_args(what, size)).lower().compile()
             how = "compiled"
             # An executable that XLA:CPU read back from JAX's own persistent cache serializes into a blob that
             # fails when loaded ("Function ... not found"): only fresh compiles are kept.
             if self.cache is not None and not hits:
                 self.cache.save(key, exe)
-        self._executables[num_tokens] = exe
-        self.compile_log.append({"tokens": num_tokens, "rows": self.rows_for(num_tokens), "how": how,
-                                 "seconds": time.perf_counter() - t0})
+        self._executables[(what, size)] = exe
+        self.compile_log.append({"what": what, "size": size, "how": how, "seconds": time.perf_counter() - t0})
         return exe
+
+    def shapes(self) -> list[tuple[str, int]]:
+        """Every executable serving can need: a forward per token bucket, a sampling per row count."""
+        rows = sorted({self.rows_for(t) for t in self.token_buckets})
+        return [("forward", t) for t in self.token_buckets] + [("sample", r) for r in rows]
 
     @property
     def num_executables(self) -> int:
         return len(self._executables)
 
     def warmup(self, progress: bool = True) -> float:
-        """Make every bucket's executable (compile or load); nothing runs on the device."""
+        """Make every executable (compile or load); nothing runs on the device."""
         from tqdm.auto import tqdm
 
         t0 = time.perf_counter()
-        with tqdm(self.token_buckets, desc="compiling step shapes", disable=not progress, unit="shape") as bar:
-            for tokens in bar:
-                self.executable(tokens)
-                bar.set_postfix_str(f"{tokens} tokens {self.compile_log[-1]['how']}")
+        with tqdm(self.shapes(), desc="compiling step shapes", disable=not progress, unit="shape") as bar:
+            for what, size in bar:
+                self.executable(what, size)
+                bar.set_postfix_str(f"{what} {size} {self.compile_log[-1]['how']}")
         return time.perf_counter() - t0
 
     # ---- one step ------------------------------------------------------------------------------------------
-    def inputs(self, scheduled: SchedulerOutput) -> tuple[int, tuple[Any, ...], list[int]]:
-        """Host arrays of a step: (token bucket, (batch, prev_index, history_rows, sampling), sampled rows'
-        indices into the previous-step token array they come from)."""
+    def inputs(self, scheduled: SchedulerOutput) -> tuple[int, tuple[Any, ...], SamplingTensors, list[int]]:
+        """Host arrays of a step: (token bucket, the forward's (batch, prev_index, history_rows), the sampling
+        tensors, each sampled row's index in the step's token output)."""
         num_tokens = self.bucket(scheduled.num_tokens)
         num_rows = self.rows_for(num_tokens)
         rows = scheduled.rows
@@ -211,19 +240,16 @@ class ModelRunner:
         sampled_rows = [r for r in rows if r.sample]
         sampling = SamplingTensors.build([r.sampling for r in sampled_rows], [r.num_output for r in sampled_rows],
                                          num_rows, slots=[r.slot for r in sampled_rows], num_slots=S)
-        return num_tokens, (batch, prev_index, history_rows, sampling), [i for i in sample_index if i >= 0]
+        return num_tokens, (batch, prev_index, history_rows), sampling, [i for i in sample_index if i >= 0]
 
-    def run(self, num_tokens: int, host_args: tuple[Any, ...]) -> SampleOutput:
-        """Dispatch the bucket's executable on the runner's device state (donated, replaced by the outputs)."""
-        self.kv, self.history, self.prev_tokens, out = self.executable(num_tokens)(
-            self.model.params, self.kv, self.history, self.prev_tokens, *host_args)
-        return out
-
-    def launch(self, scheduled: SchedulerOutput) -> InFlight:
-        """Dispatch one step (returns before it has run). Raises StepFailed, with the state rebuilt."""
-        num_tokens, host_args, sampled_index = self.inputs(scheduled)
+    def launch(self, scheduled: SchedulerOutput, constraints: TokenConstraints | None = None,
+               defer_sampling: bool = False) -> InFlight:
+        """Dispatch a step's forward, and its sampling unless `defer_sampling` (then `sample` does, with the
+        constraints it is given). Returns before anything has run. Raises StepFailed, with the state rebuilt."""
+        num_tokens, forward_args, sampling, sampled_index = self.inputs(scheduled)
         try:
-            out = self.run(num_tokens, host_args)
+            self.kv, self.history, logits = self.executable("forward", num_tokens)(
+                self.model.params, self.kv, self.history, self.prev_tokens, *forward_args)
         except Exception as e:
             self._reset_state()
             raise StepFailed(f"step failed: {e}") from e
@@ -231,10 +257,29 @@ class ModelRunner:
         seqs = [r.seq for r in sampled_rows]
         self._prev_index = dict(zip(seqs, sampled_index, strict=True))
         want = any(getattr(r.sampling, "logprobs", None) is not None for r in sampled_rows)
-        return InFlight(scheduled, seqs, out, want)
+        step = InFlight(scheduled, seqs, logits, sampling, want)
+        if not defer_sampling:
+            self.sample(step, constraints)
+        return step
+
+    def sample(self, step: InFlight, constraints: TokenConstraints | None = None) -> None:
+        """Dispatch a launched step's sampling (None: no biases, no grammar)."""
+        rows = step.num_rows
+        if constraints is None:
+            if rows not in self._no_constraints:
+                self._no_constraints[rows] = jax.device_put(TokenConstraints.empty(rows, self.cfg.vocab_size),
+                                                            self.model.rules.replicated())
+            constraints = self._no_constraints[rows]
+        try:
+            self.prev_tokens, step.out = self.executable("sample", rows)(step.logits, self.history, step.sampling,
+                                                                        constraints)
+        except Exception as e:
+            self._reset_state()
+            raise StepFailed(f"step failed: {e}") from e
 
     def collect(self, step: InFlight) -> ModelRunnerOutput:
-        """Wait for a dispatched step's tokens. Raises StepFailed (state rebuilt) if it failed on the device."""
+        """Wait for a step's tokens. Raises StepFailed (state rebuilt) if it failed on the device."""
+        assert step.out is not None, "the step's sampling was never dispatched"
         n = len(step.seqs)
         try:
             tokens = np.asarray(step.out.tokens)[:n]

@@ -4,8 +4,9 @@ Every per-request parameter is an array with one row per sampled row, so one com
 of greedy, seeded, filtered and penalised requests; the only static inputs are shapes and `max_logprobs`.
 
 Processing order (as vLLM's v1 sampler):
-  raw logits -> penalties (repetition, then frequency / presence) -> temperature
-  -> min_p, top_k, top_p filtering -> Gumbel-max sampling with the row's own key.
+  raw logits -> logit_bias and a grammar's allowed tokens (`TokenConstraints`) -> penalties (repetition, then
+  frequency / presence) -> temperature -> min_p, top_k, top_p filtering -> Gumbel-max sampling with the row's
+  own key.
 Greedy rows (temperature <= 1e-5, vLLM's epsilon) take the argmax of the penalised logits: exactly argmax,
 so a greedy request's tokens do not depend on the rest of the batch.
 
@@ -42,6 +43,8 @@ import numpy as np
 # vLLM treats temperatures below this as greedy: dividing by a tiny temperature overflows to inf.
 GREEDY_EPS = 1e-5
 DEFAULT_MAX_LOGPROBS = 20
+# Most tokens one request may bias (OpenAI's limit for `logit_bias`): a fixed width, so no request makes a shape.
+MAX_LOGIT_BIAS = 300
 
 _U32 = 0xFFFFFFFF
 _U64 = (1 << 64) - 1
@@ -249,6 +252,53 @@ class SampleOutput:
 # ---- device side -------------------------------------------------------------------------------------------
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TokenConstraints:
+    """Per sampled row [L]: additive logit biases (`logit_bias`, at most MAX_LOGIT_BIAS tokens) and the tokens a
+    grammar allows next, as a bitmask (bit v % 32 of word v // 32 set: token v allowed; every bit set: anything,
+    as llguidance's masks are laid out). Built on the host; a batch that uses neither sends a cached empty one."""
+
+    bias_ids: Array  # i32[L, MAX_LOGIT_BIAS]; -1: none
+    bias_values: Array  # f32[L, MAX_LOGIT_BIAS]
+    allowed: Array  # i32[L, ceil(V / 32)]
+
+    @classmethod
+    def empty(cls, num_rows: int, vocab_size: int) -> TokenConstraints:
+        return cls(np.full((num_rows, MAX_LOGIT_BIAS), -1, np.int32), np.zeros((num_rows, MAX_LOGIT_BIAS), np.float32),
+                   np.full((num_rows, -(-vocab_size // 32)), -1, np.int32))
+
+    @classmethod
+    def build(cls, biases: Sequence[dict[int, float] | None], num_rows: int, vocab_size: int) -> TokenConstraints:
+        """`biases[i]`: row i's token -> bias (None: none). The allowed-token masks start all-set; a grammar
+        fills its rows of `allowed` in place."""
+        c = cls.empty(num_rows, vocab_size)
+        for i, bias in enumerate(biases):
+            if bias:
+                if len(bias) > MAX_LOGIT_BIAS:
+                    raise ValueError(f"logit_bias: at most {MAX_LOGIT_BIAS} tokens, got {len(bias)}")
+                c.bias_ids[i, : len(bias)] = list(bias)
+                c.bias_values[i, : len(bias)] = list(bias.values())
+        return c
+
+
+def apply_constraints(logits: jax.Array, c: TokenConstraints) -> jax.Array:
+    """Biases added, then every token outside the row's allowed set at -inf; each skipped when no row uses it."""
+    L, V = logits.shape
+
+    def add_bias(x: jax.Array) -> jax.Array:
+        ids = jnp.where(c.bias_ids < 0, V, c.bias_ids)  # -1 points past the vocabulary: dropped
+        return x.at[jnp.arange(L)[:, None], ids].add(c.bias_values, mode="drop")
+
+    def mask(x: jax.Array) -> jax.Array:
+        v = jnp.arange(V, dtype=jnp.int32)
+        bits = (c.allowed[:, v >> 5] >> (v & 31)[None, :]) & 1
+        return jnp.where(bits != 0, x, -jnp.inf)
+
+    logits = jax.lax.cond(jnp.any(c.bias_ids >= 0), add_bias, lambda x: x, logits)
+    return jax.lax.cond(jnp.any(c.allowed != -1), mask, lambda x: x, logits)
+
+
 def apply_penalties(logits: jax.Array, t: SamplingTensors, h: PenaltyHistory) -> jax.Array:
     """Repetition (vLLM/HF: prompt or output), then frequency and presence (OpenAI: output counts).
 
@@ -313,14 +363,16 @@ def row_noise(t: SamplingTensors, vocab_size: int) -> jax.Array:
     return jax.vmap(one)(t.seeds, t.step)
 
 
-def sample(logits: jax.Array, t: SamplingTensors, max_logprobs: int,
-           history: PenaltyHistory | None = None) -> SampleOutput:
+def sample(logits: jax.Array, t: SamplingTensors, max_logprobs: int, history: PenaltyHistory | None = None,
+           constraints: TokenConstraints | None = None) -> SampleOutput:
     """Sample one token per row of `logits[L, V]`; `max_logprobs` (static) is the width of the top lists;
-    `history` the penalty tables (None: no row may use a penalty)."""
+    `history` the penalty tables (None: no row may use a penalty); `constraints` logit biases and grammar masks."""
     logits = logits.astype(jnp.float32)
     L, V = logits.shape
     raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
 
+    if constraints is not None:
+        logits = apply_constraints(logits, constraints)
     penalised = apply_penalties(logits, t, history) if history is not None else logits
     greedy_tokens = jnp.argmax(penalised, axis=-1).astype(jnp.int32)
     is_greedy = t.temperature <= GREEDY_EPS

@@ -1,9 +1,9 @@
 """The one place that decides a request is finished and records why: `append_token`.
 
-Every sampled token of every request passes through it, in order: EOS, stop token ids, max_tokens, the model
-length and stop strings are all judged here, and the verdict lands on the request (`finish_reason`,
-`stop_reason`). Aborts and errors are the only other ends a request can have; the scheduler records those.
-The request's text (detokenised incrementally, held back where it could still become a stop string) is
+Every sampled token of every request passes through it, in order: EOS, stop token ids, the end of a grammar,
+max_tokens, the model length and stop strings are all judged here, and the verdict lands on the request
+(`finish_reason`, `stop_reason`). Aborts and errors are the only other ends a request can have; the scheduler
+records those. The request's text (detokenised incrementally, held back where it could still become a stop string) is
 produced here too, because a stop string can only be judged on text.
 """
 
@@ -45,9 +45,13 @@ def append_token(req: Request, token_id: int, max_model_len: int) -> FinishReaso
     on `req.finish_reason`, with `req.stop_reason` for a stop string or stop token), or None to go on."""
     req.output_ids.append(token_id)
     reason = None
+    if req.grammar is not None:
+        req.grammar.accept(token_id)
     if (token_id in req.eos_token_ids and not req.ignore_eos) or token_id in req.stop_token_ids:
         reason = FinishReason.STOP
         req.stop_reason = token_id if token_id in req.stop_token_ids else None
+    elif req.grammar is not None and req.grammar.finished:
+        reason = FinishReason.STOP  # the grammar allows nothing more: the output is complete
     elif len(req.output_ids) >= req.max_tokens or req.num_prompt + len(req.output_ids) >= max_model_len:
         reason = FinishReason.LENGTH
     if req.text is not None and req.text.push(token_id, final=reason is not None):

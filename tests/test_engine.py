@@ -69,7 +69,9 @@ def test_every_request_after_warmup_runs_without_compiling(llm):
     """One executable per token bucket, all made at start-up; then every SamplingParams feature, long
     penalty histories, preemption and aborts run without a single compile."""
     core = llm.core
-    assert core.num_executables == len(core.runner.token_buckets) == 3  # 8, 16, 32 tokens
+    # A forward per token bucket (8, 16, 32) and a sampling per row count (8 rows for all three).
+    assert core.runner.shapes() == [("forward", 8), ("forward", 16), ("forward", 32), ("sample", 8)]
+    assert core.num_executables == 4
     features = [
         SamplingParams(temperature=0.0, max_tokens=20),
         SamplingParams(temperature=0.8, top_p=0.9, top_k=20, min_p=0.05, seed=3, max_tokens=20),
@@ -80,6 +82,8 @@ def test_every_request_after_warmup_runs_without_compiling(llm):
         SamplingParams(temperature=0.0, logprobs=5, max_tokens=10),
         SamplingParams(temperature=0.0, stop_token_ids=[7, 8, 9], max_tokens=30),
         SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=40),
+        SamplingParams(temperature=0.8, n=3, seed=9, max_tokens=12),
+        SamplingParams(temperature=0.0, logit_bias={7: 100.0}, max_tokens=5),
     ]
     prompts = _prompts(len(features), seed=11)
     prompts[3] = list(range(1, 68))  # a long penalty history: prompt and output
@@ -89,10 +93,13 @@ def test_every_request_after_warmup_runs_without_compiling(llm):
             break  # aborted after its first token
         _wait_idle(core)
     assert compiles == [], "serving must not compile"
-    assert core.num_executables == 3
+    assert core.num_executables == 4
     assert core.stats["preemptions"] > 0
-    seeded = [i for i in range(8) if i != 2]  # the unseeded request draws differently each time
-    assert [outs[i].outputs[0].token_ids for i in seeded] == [outs[8 + i].outputs[0].token_ids for i in seeded]
+    k = len(features)
+    seeded = [i for i in range(k) if i != 2]  # the unseeded request draws differently each time
+    assert [outs[i].outputs[0].token_ids for i in seeded] == [outs[k + i].outputs[0].token_ids for i in seeded]
+    assert [len(o.outputs) for o in outs] == [1] * 8 + [3, 1] + [1] * 8 + [3, 1]
+    assert outs[9].outputs[0].token_ids == [7] * 5  # logit_bias +100 forces its token
     assert core.pages_in_use == 0
 
 
@@ -121,7 +128,7 @@ def test_exact_under_batching_chunking_and_preemption(llm, async_scheduling):
     assert got == alone
     assert [results[i].outputs[0].finish_reason for i in ids] == alone_reasons
     assert core.pages_in_use == 0 and core.num_running == 0 and core.num_waiting == 0
-    assert core.num_executables == 3
+    assert core.num_executables == 4
 
 
 def test_exact_at_odd_sizes():
@@ -145,7 +152,7 @@ def test_step_updates_the_kv_pool_in_place(llm):
     """The scanned layers write their run's pages inside the loop: the compiled step holds no copy of a page
     pool (a copy per step would cost the whole KV cache's bandwidth)."""
     runner = llm.core.runner
-    text = runner.executable(runner.token_buckets[-1]).as_text()
+    text = runner.executable("forward", runner.token_buckets[-1]).as_text()
     pools = set()
     for a in jax.tree.leaves(runner.kv):
         pools.add(",".join(map(str, a.shape)))
@@ -250,7 +257,7 @@ def test_async_engine_streams_and_cancel_frees_pages(llm):
             return toks
 
         async def cancel_early(p):
-            async for _ in engine.generate(p, SamplingParams(temperature=0.0, max_tokens=100)):
+            async for _ in engine.generate(p, SamplingParams(temperature=0.0, max_tokens=50)):
                 break  # the client goes away after the first token
 
         prompts = _prompts(10, seed=5)
@@ -271,13 +278,13 @@ def test_restart_loads_compiled_steps_from_disk(tmp_path):
     settings = dict(model="m3-tiny", dtype="float32", max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16,
                     progress=False, compilation_cache_dir=str(tmp_path))
     first = EngineCore(Settings(**settings))
-    assert [e["how"] for e in first.runner.compile_log] == ["compiled", "compiled"]
+    assert [e["how"] for e in first.runner.compile_log] == ["compiled"] * 3  # 2 forwards, 1 sampling
     with count_compiles() as compiles:
         second = EngineCore(Settings(**settings))
-    assert [e["how"] for e in second.runner.compile_log] == ["loaded", "loaded"]
+    assert [e["how"] for e in second.runner.compile_log] == ["loaded"] * 3
     assert compiles and not [c for c in compiles if "_step" in c["fun_name"]]  # only start-up helpers compile
     other = EngineCore(Settings(**{**settings, "max_num_seqs": 3}))  # another shape: another key
-    assert [e["how"] for e in other.runner.compile_log] == ["compiled", "compiled"]
+    assert [e["how"] for e in other.runner.compile_log] == ["compiled"] * 3
     tokens = []
     for core in (first, second):
         req, _ = core.prepare([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=5))

@@ -93,19 +93,19 @@ def measure_shapes(args: argparse.Namespace) -> list[dict[str, Any]]:
                              max_num_batched_tokens=max(args.buckets), max_model_len=args.max_model_len,
                              cache_dir=None)
         for tokens in args.buckets:
-            abstract = runner._abstract_args(tokens)
+            abstract = runner._abstract_args("forward", tokens)
             if not gpu:  # shapes only: CPU placements would not match the abstract GPU
                 abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), abstract)
             t0 = time.perf_counter()
             if gpu:
-                traced = runner._fn.trace(*abstract)
+                traced = runner._fns["forward"].trace(*abstract)
                 t1 = time.perf_counter()
                 lowered = traced.lower()
             else:
                 from pallas_kernels.gpu_lowering import abstract_gpu
 
                 with abstract_gpu():
-                    traced = runner._fn.trace(*abstract)
+                    traced = runner._fns["forward"].trace(*abstract)
                     t1 = time.perf_counter()
                     lowered = traced.lower(lowering_platforms=("cuda",))
             t2 = time.perf_counter()

@@ -122,26 +122,28 @@ def attention(p: Params, cfg: M3Config, kind: str, h_TD: jax.Array, batch: Batch
 
 # ---- MLPs --------------------------------------------------------------------------------------------------
 
-def mlp(p: Params, cfg: M3Config, kind: str, h_TD: jax.Array, kernels: KernelChoice) -> jax.Array:
+def mlp(p: Params, cfg: M3Config, kind: str, h_TD: jax.Array, kernels: KernelChoice,
+        layer: jax.Array | int | None = None) -> jax.Array:
+    """`layer`: the MoE's prepared experts (p["moe"]["experts"]) are the whole run's stack, read at this layer."""
     if kind == "dense":
         m = p["mlp"]
         return ops.dense_mlp(h_TD, m["w_gate"], m["w_up"], m["w_down"], alpha=cfg.swiglu_alpha,
                              limit=cfg.swiglu_limit)
     return ops.moe(h_TD, p["moe"], top_k=cfg.num_experts_per_tok, routed_scaling=cfg.routed_scaling_factor,
-                   alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit, impl=kernels.moe)
+                   alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit, impl=kernels.moe, layer=layer)
 
 
 # ---- the decoder -------------------------------------------------------------------------------------------
 
 def decoder_layer(lp: Params, cfg: M3Config, run: LayerRun, x_TD: jax.Array, batch: Batch,
                   rope: tuple[jax.Array, ...], pages: LayerPages, reuse_blocks: jax.Array | None,
-                  recompute: jax.Array | bool, kernels: KernelChoice
+                  recompute: jax.Array | bool, kernels: KernelChoice, layer: jax.Array | int | None = None
                   ) -> tuple[jax.Array, LayerPages, jax.Array | None]:
     """Pre-norm residual block: x + attention(norm(x)), then + MLP(norm(x))."""
     o, pages, blocks = attention(lp, cfg, run.attn, rms_norm(x_TD, lp["input_norm"], cfg.rms_norm_eps), batch,
                                  rope, pages, reuse_blocks, recompute, kernels)
     x_TD = x_TD + o
-    x_TD = x_TD + mlp(lp, cfg, run.mlp, rms_norm(x_TD, lp["post_attn_norm"], cfg.rms_norm_eps), kernels)
+    x_TD = x_TD + mlp(lp, cfg, run.mlp, rms_norm(x_TD, lp["post_attn_norm"], cfg.rms_norm_eps), kernels, layer)
     return x_TD, pages, blocks
 
 
@@ -168,10 +170,17 @@ def run_layers(rp: Params, cfg: M3Config, run: LayerRun, x_TD: jax.Array, batch:
     # The aux slot each layer's input goes to (-1: none).
     slots = [capture.index(i) if i in capture else -1 for i in run.layers]
     capturing = any(s >= 0 for s in slots)
+    # Prepared MoE experts are not sliced by the scan: the kernels read the whole stack at the layer's slots (a
+    # sliced operand of a custom call is copied into a buffer of its own every iteration: a layer's experts).
+    experts = rp.get("moe", {}).get("experts")
+    if experts is not None:
+        rp = {**rp, "moe": {k: v for k, v in rp["moe"].items() if k != "experts"}}
 
     def layer(carry: tuple, xs: tuple) -> tuple[tuple, jax.Array | None]:
         x, pages, reuse, aux = carry
         lp, j, recompute, slot = xs
+        if experts is not None:
+            lp = {**lp, "moe": {**lp["moe"], "experts": experts}}
         if capturing:
             if isinstance(slot, int):  # unrolled: static
                 aux = aux if slot < 0 else aux.at[slot].set(x)
@@ -179,7 +188,8 @@ def run_layers(rp: Params, cfg: M3Config, run: LayerRun, x_TD: jax.Array, batch:
                 aux = jax.lax.cond(slot >= 0, lambda a: jax.lax.dynamic_update_index_in_dim(a, x, slot, 0),
                                    lambda a: a, aux)
         x, pages, sel = decoder_layer(lp, cfg, run, x, batch.with_page_offset(j * num_pages, ps), rope, pages,
-                                      reuse if sparse else None, True if recompute_all else recompute, kernels)
+                                      reuse if sparse else None, True if recompute_all else recompute, kernels,
+                                      j if experts is not None else None)
         return (x, pages, sel if sparse else reuse, aux), sel
 
     if unroll:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -175,24 +176,48 @@ class ModelRunner:
         """A forward (`size` = token bucket) or sampling (`size` = rows) executable: loaded from the cache, else
         traced, lowered, compiled (and saved)."""
         exe = self._executables.get((what, size))
-        if exe is not None:
-            return exe
-        t0 = time.perf_counter()
-        key = self._key(what, size) if self.cache is not None else None
-        devices = list(self.model.rules.mesh.devices.flat)
-        exe = self.cache.load(key, devices) if self.cache is not None else None
-        how = "loaded"
         if exe is None:
+            self._make([(what, size)])
+            exe = self._executables[(what, size)]
+        return exe
+
+    def _make(self, shapes: list[tuple[str, int]], on_done: Callable[[dict[str, Any]], None] | None = None) -> None:
+        """Executables for `shapes`: each loaded from the cache, or else traced and lowered here and compiled on a
+        pool of threads (XLA compiles without the GIL: a cold start costs about the longest compile, not the
+        sum)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        devices = list(self.model.rules.mesh.devices.flat)
+        todo = []
+        for what, size in shapes:
+            t0 = time.perf_counter()
+            key = self._key(what, size) if self.cache is not None else None
+            exe = self.cache.load(key, devices) if self.cache is not None else None
+            if exe is not None:
+                self._done(what, size, exe, "loaded", t0, on_done)
+            else:
+                todo.append((what, size, key, t0, self._fns[what].trace(*self._abstract_args(what, size)).lower()))
+
+        def compile_one(item: tuple) -> None:
+            what, size, key, t0, lowered = item
             with xla_cache_hits() as hits:
-                exe = self._fns[what].trace(*self._abstract_args(what, size)).lower().compile()
-            how = "compiled"
+                exe = lowered.compile()
             # An executable that XLA:CPU read back from JAX's own persistent cache serializes into a blob that
             # fails when loaded ("Function ... not found"): only fresh compiles are kept.
             if self.cache is not None and not hits:
                 self.cache.save(key, exe)
+            self._done(what, size, exe, "compiled", t0, on_done)
+
+        with ThreadPoolExecutor(max_workers=max(1, min(len(todo), os.cpu_count() or 1))) as pool:
+            list(pool.map(compile_one, todo))
+
+    def _done(self, what: str, size: int, exe: Any, how: str, t0: float,
+              on_done: Callable[[dict[str, Any]], None] | None) -> None:
         self._executables[(what, size)] = exe
-        self.compile_log.append({"what": what, "size": size, "how": how, "seconds": time.perf_counter() - t0})
-        return exe
+        entry = {"what": what, "size": size, "how": how, "seconds": time.perf_counter() - t0}
+        self.compile_log.append(entry)
+        if on_done is not None:
+            on_done(entry)
 
     def shapes(self) -> list[tuple[str, int]]:
         """Every executable serving can need: a forward per token bucket, a sampling per row count."""
@@ -208,10 +233,14 @@ class ModelRunner:
         from tqdm.auto import tqdm
 
         t0 = time.perf_counter()
-        with tqdm(self.shapes(), desc="compiling step shapes", disable=not progress, unit="shape") as bar:
-            for what, size in bar:
-                self.executable(what, size)
-                bar.set_postfix_str(f"{what} {size} {self.compile_log[-1]['how']}")
+        shapes = self.shapes()
+        with tqdm(total=len(shapes), desc="compiling step shapes", disable=not progress, unit="shape") as bar:
+
+            def done(entry: dict[str, Any]) -> None:
+                bar.update(1)
+                bar.set_postfix_str(f"{entry['what']} {entry['size']} {entry['how']}")
+
+            self._make(shapes, done)
         return time.perf_counter() - t0
 
     # ---- one step ------------------------------------------------------------------------------------------

@@ -26,14 +26,18 @@ __all__ = ["dense_mlp", "moe"]
 
 
 def moe(h_TD: jax.Array, p: dict, *, top_k: int, routed_scaling: float, alpha: float, limit: float,
-        impl: str) -> jax.Array:
+        impl: str, layer: jax.Array | int | None = None) -> jax.Array:
+    """`layer`: p["experts"] (the prepared layout) is a whole run's stack [layers, S, ...] and this is layer
+    `layer`; the other params are that layer's."""
     if impl not in IMPLS:
         raise ValueError(f"MoE impl {impl!r}: expected one of {IMPLS} (resolve the KernelChoice first)")
     if impl != "reference" and kernel_tiles(h_TD.shape[0], experts_of(p)[0]) is None:
         impl = "reference"  # shapes no tile divides (tiny test configs; MXFP4 needs K % 128 == 0)
     if impl == "reference":
+        if layer is not None and "experts" in p:
+            p = dict(p, experts={k: v[layer] if k != layout.WIDE_SCALES else v for k, v in p["experts"].items()})
         # Prepared-only params (no w_gate left) are dequantised back: the reference of what the kernel computes.
         ref_p = layout.reference_params(p, h_TD.dtype) if "w_gate" not in p else p
         return reference.moe(h_TD, ref_p, top_k=top_k, routed_scaling=routed_scaling, alpha=alpha, limit=limit)
     return moe_pallas(h_TD, p, top_k=top_k, routed_scaling=routed_scaling, alpha=alpha, limit=limit,
-                      interpret=impl == "interpret")
+                      interpret=impl == "interpret", layer=layer)

@@ -407,7 +407,7 @@ def kernel_tiles(num_tokens: int, experts: dict, *, tiles: MoeTiles | None = Non
     """The tiles for this call (the table's, fitted to the shapes), or None when the kernels cannot run it."""
     fmt = layout.weight_format(experts)
     gate = layout.weight_arrays(experts, "gate")
-    d_model = gate[1].shape[1] * layout.MX_GROUP if fmt != "dense" else gate[0].shape[1]
+    d_model = gate[1].shape[-2] * layout.MX_GROUP if fmt != "dense" else gate[0].shape[-2]
     d_ff = gate[0].shape[-1]
     tiles = tiles or pick_tiles(num_tokens, fmt, interpret=interpret)
     if tiles.backend == "mosaic" and fmt != "dense":
@@ -422,16 +422,23 @@ def kernel_tiles(num_tokens: int, experts: dict, *, tiles: MoeTiles | None = Non
 def routed_experts_pallas(h_TD: jax.Array, idx_TK: jax.Array, w_TK: jax.Array, experts: dict, *,
                           shared_slot: bool, routed_scaling: float, alpha: float, limit: float,
                           tiles: MoeTiles | None = None, layout_method: str | None = None,
-                          interpret: bool = False) -> jax.Array:
+                          interpret: bool = False, layer: jax.Array | int | None = None) -> jax.Array:
     """fp32 [T, D]: routed_scaling * sum_k w[t,k] Expert_idx(h[t]) (+ the shared slot's output, weight 1).
-    `layout_method`: sort_and_pad's (None: by size; benchmarks time both)."""
+    `layout_method`: sort_and_pad's (None: by size; benchmarks time both). `layer`: `experts` is a run's stack
+    [layers, S, ...] and this is layer `layer` of it."""
     T = h_TD.shape[0]
     fmt = layout.weight_format(experts)
     tiles = kernel_tiles(T, experts, tiles=tiles, interpret=interpret)
     if tiles is None:
         raise ValueError(f"no MoE tile fits these expert shapes ({fmt}); use the reference")
-    lay = sort_and_pad(idx_TK, w_TK, num_slots=layout.num_slots(experts), shared_slot=shared_slot, bm=tiles.bm,
+    S = layout.num_slots(experts)
+    lay = sort_and_pad(idx_TK, w_TK, num_slots=S, shared_slot=shared_slot, bm=tiles.bm,
                        routed_scaling=routed_scaling, method=layout_method)
+    if layer is not None:
+        # The kernels read the whole stack, as one flat slot axis, at this layer's slots: a slice of the stack
+        # would be copied into a buffer of its own for the custom call (a layer's experts every layer).
+        experts = {k: v.reshape(-1, *v.shape[2:]) if k != layout.WIDE_SCALES else v for k, v in experts.items()}
+        lay = dataclasses.replace(lay, slot_B=jnp.where(lay.slot_B >= 0, lay.slot_B + layer * S, -1))
     if tiles.backend == "mosaic":
         group = min(tiles.group, lay.slot_B.shape[0])
         act_MF = kernel_mgpu.gate_up(h_TD, lay.row_token_M, lay.slot_B, lay.rows_B, experts, tiles.gu, group=group,
@@ -456,14 +463,16 @@ def combine(y_MD: jax.Array, dest_TJ: jax.Array, w_TJ: jax.Array) -> jax.Array:
 
 
 def moe_pallas(h_TD: jax.Array, p: dict, *, top_k: int, routed_scaling: float, alpha: float, limit: float,
-               tiles: MoeTiles | None = None, interpret: bool = False) -> jax.Array:
-    """Same function as `reference.moe`. Uses `p["experts"]` (checkpoints/prepare.py) when present; otherwise
-    reads the params' own w_gate/w_up/w_down (no copies) and runs the shared expert through `dense_mlp`."""
+               tiles: MoeTiles | None = None, interpret: bool = False, layer: jax.Array | int | None = None
+               ) -> jax.Array:
+    """Same function as `reference.moe`. Uses `p["experts"]` (checkpoints/prepare.py) when present, a run's
+    whole stack with `layer`; otherwise reads the params' own w_gate/w_up/w_down (no copies) and runs the shared
+    expert through `dense_mlp`."""
     experts, shared_slot = experts_of(p)
     idx_TK, w_TK = route(h_TD, p["router"], p["router_bias"], top_k)
     out = routed_experts_pallas(h_TD, idx_TK, w_TK, experts, shared_slot=shared_slot,
                                 routed_scaling=routed_scaling, alpha=alpha, limit=limit, tiles=tiles,
-                                interpret=interpret)
+                                interpret=interpret, layer=layer if "experts" in p else None)
     if "shared" in p and not shared_slot:
         s = p["shared"]
         out = out + dense_mlp(h_TD, s["w_gate"], s["w_up"], s["w_down"], alpha=alpha, limit=limit)

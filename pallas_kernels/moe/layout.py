@@ -57,11 +57,12 @@ def weight_arrays(experts: dict, mat: str) -> tuple[jax.Array, ...]:
 
 
 def num_slots(experts: dict) -> int:
-    return int(weight_arrays(experts, "gate")[0].shape[0])
+    # [.., S, K, N]: the slot axis counted from the end, so a run's stack of layers reads the same.
+    return int(weight_arrays(experts, "gate")[0].shape[-3])
 
 
 def has_shared_slot(p: dict) -> bool:
-    return "experts" in p and num_slots(p["experts"]) == p["router"].shape[1] + 1
+    return "experts" in p and num_slots(p["experts"]) == p["router"].shape[-1] + 1
 
 
 def stack_dense(p: dict, dtype: jnp.dtype | None = None) -> dict:

@@ -205,7 +205,33 @@ def validate_messages(messages: object) -> list[dict[str, Any]]:
             raise ValueError(f"messages[{i}] ({role}) has no content")
         raise ValueError(f"messages[{i}].content must be a string, got {type(content).__name__}"
                          + (" (flatten text parts into one string)" if isinstance(content, list) else ""))
-    return [dict(m) for m in messages]
+    return [_with_parsed_arguments(dict(m), i) for m in messages]
+
+
+def _with_parsed_arguments(m: dict[str, Any], i: int) -> dict[str, Any]:
+    """OpenAI sends an assistant tool call's `arguments` as a JSON string; M3's template iterates them as a
+    mapping (`arguments.items()`), so they are parsed first, as vLLM does."""
+    calls = m.get("tool_calls")
+    if not calls:
+        return m
+    if not isinstance(calls, list | tuple):
+        raise ValueError(f"messages[{i}].tool_calls must be a list")
+    parsed = []
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, Mapping) else None
+        if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
+            raise ValueError(f"messages[{i}].tool_calls[{j}] must have a function with a name")
+        args = fn.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except json.JSONDecodeError as e:
+                raise ValueError(f"messages[{i}].tool_calls[{j}].function.arguments is not valid JSON: {e}") \
+                    from None
+        if not isinstance(args, Mapping):
+            raise ValueError(f"messages[{i}].tool_calls[{j}].function.arguments must be a JSON object")
+        parsed.append({**call, "function": {**fn, "arguments": dict(args)}})
+    return {**m, "tool_calls": parsed}
 
 
 def _validate_tools(tools: object) -> list[dict[str, Any]] | None:

@@ -266,9 +266,16 @@ def test_bad_messages(tok: M3Tokenizer, messages: object) -> None:
 
 
 def test_assistant_tool_call_without_content(tok: M3Tokenizer) -> None:
-    msgs = [{"role": "user", "content": "x"},
-            {"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}]
+    call = {"id": "1", "type": "function", "function": {"name": "f", "arguments": '{"a": [1, 2]}'}}
+    msgs = [{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [call]}]
     assert "]~b]ai\nNone" in tok.apply_chat_template(msgs, chat_template=TEMPLATE)
+    # OpenAI's JSON-string arguments reach the template as a mapping (M3's template iterates them).
+    items = "{% for m in messages %}{% for c in m.tool_calls or [] %}{% for k, v in c.function.arguments.items() %}" \
+            "{{ k }}={{ v }};{% endfor %}{% endfor %}{% endfor %}"
+    assert tok.apply_chat_template(msgs, chat_template=items, add_generation_prompt=False) == "a=[1, 2];"
+    bad = {"id": "2", "type": "function", "function": {"name": "f", "arguments": "{oops"}}
+    with pytest.raises(ValueError, match="arguments is not valid JSON"):
+        tok.apply_chat_template([msgs[0], {"role": "assistant", "content": None, "tool_calls": [bad]}])
 
 
 # ------------------------------------------------------------------------------------------------------------

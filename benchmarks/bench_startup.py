@@ -50,34 +50,11 @@ def _device() -> str:
 
 def abstract_model(preset_name: str, moe_format: str) -> Any:
     """An M3Model whose params are shapes only (what tracing needs), laid out as the kernels want them."""
-    import jax
-    import jax.numpy as jnp
-
-    from checkpoints import prepare
     from m3jax.api import M3Model
     from m3jax.config import preset
-    from m3jax.params import init_params
-    from m3jax.sharding import make_rules
     from pallas_kernels.choice import KernelChoice
-    from pallas_kernels.moe import layout
 
-    cfg = preset(preset_name)
-    kernels = KernelChoice("pallas", "pallas")
-    params = jax.eval_shape(lambda: init_params(cfg, dtype=jnp.bfloat16))
-    # The wide-scale marker reads values; abstract weights have none (trained weights never set it).
-    with _patched(layout, "mark_wide_scales", lambda experts: experts):
-        params = jax.eval_shape(lambda p: prepare.prepare_params(p, moe_format, keep_reference=False), params)
-    return M3Model(cfg, params, make_rules(1), jnp.bfloat16, kernels=kernels)
-
-
-@contextlib.contextmanager
-def _patched(module: Any, name: str, value: Any) -> Any:
-    old = getattr(module, name)
-    setattr(module, name, value)
-    try:
-        yield
-    finally:
-        setattr(module, name, old)
+    return M3Model.abstract(preset(preset_name), "bfloat16", moe_format, KernelChoice("pallas", "pallas"))
 
 
 def measure_shapes(args: argparse.Namespace) -> list[dict[str, Any]]:

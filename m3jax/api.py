@@ -61,6 +61,21 @@ class M3Model:
             params = prepare_params(params, moe_weight_format, keep_reference=False)
         return cls(cfg, params, rules, _DTYPES[dtype], path, kernels)
 
+    @classmethod
+    def abstract(cls, cfg: M3Config, dtype: str = "bfloat16", moe_weight_format: str = "bf16",
+                 kernels: KernelChoice | None = None) -> M3Model:
+        """A model whose params are shapes only (`jax.ShapeDtypeStruct`), laid out as `create` would lay them
+        out: enough to trace, lower and compile its steps ahead of time, for any size, on any machine."""
+        from m3jax.params import init_params
+
+        kernels = (kernels or KernelChoice("auto", "auto")).resolve(1)
+        params = jax.eval_shape(lambda: init_params(cfg, dtype=_DTYPES[dtype]))
+        if kernels.moe == "pallas" and "moe" in cfg.mlp_types:
+            from checkpoints.prepare import prepare_params
+
+            params = jax.eval_shape(lambda p: prepare_params(p, moe_weight_format, keep_reference=False), params)
+        return cls(cfg, params, make_rules(1), _DTYPES[dtype], kernels=kernels)
+
     def new_pages(self, num_pages: int) -> KVPages:
         """A page pool (page 0 is the padding sink, never handed out)."""
         axes = ("layers", "pages", "page_slots", "kv_heads", "head_dim")

@@ -169,8 +169,8 @@ def mark_wide_scales(experts: dict) -> dict:
     """`experts` plus the WIDE_SCALES marker where the "expand_asm" widening cannot represent a scale (one
     host sync per layer: for load time, not the serving loop)."""
     fmt = weight_format(experts)
-    if fmt == "dense":
-        return experts
+    if fmt == "dense" or any(isinstance(experts[f"{m}_s"], jax.core.Tracer) for m in MATS):
+        return experts  # abstract weights (shapes only, e.g. compiling ahead of time) hold no scale to read
     top = max(int(jnp.max(unpack_scales(experts[f"{m}_s"]))) for m in MATS)
     return dict(experts, **{WIDE_SCALES: jnp.zeros((0,), jnp.uint8)}) if top > ASM_BF16_MAX_SCALE[fmt] else experts
 

@@ -1,0 +1,31 @@
+"""The serving step at the real model's shapes lowers for an H200 at engine sizes that are not powers of two: the
+whole scanned forward (m3-slice, abstract weights, every kernel through the Pallas Triton lowering) and the
+sampling, for the GPU smoke matrix's model lengths, row counts and step budgets. Nothing is compiled or run;
+what would crash a GPU start-up at lowering time fails here (a model length of 1280 did)."""
+
+import jax
+import pytest
+
+from m3jax.api import M3Model
+from m3jax.config import preset
+from pallas_kernels.choice import KernelChoice
+from pallas_kernels.gpu_lowering import count_triton_kernels, lower_for_gpu
+from serving.runner import ModelRunner
+
+
+@pytest.fixture(scope="module")
+def model():
+    return M3Model.abstract(preset("m3-slice"), "bfloat16", "bf16", KernelChoice("pallas", "pallas"))
+
+
+@pytest.mark.parametrize("max_model_len", [1000, 1280, 4097])
+@pytest.mark.parametrize("max_num_seqs,max_num_batched_tokens", [(3, 100), (32, 2048)])
+def test_step_lowers_at_odd_sizes(model, max_model_len, max_num_seqs, max_num_batched_tokens):
+    runner = ModelRunner(model, num_pages=8, max_num_seqs=max_num_seqs,
+                         max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len)
+    for what, size in [("forward", runner.token_buckets[0]), ("forward", runner.token_buckets[-1]),
+                       ("sample", runner.rows_for(runner.token_buckets[-1]))]:
+        args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), runner._abstract_args(what, size))
+        text = lower_for_gpu(runner._fns[what], *args)
+        if what == "forward":  # dense and block-sparse attention, index + top-k, both MoE GEMMs (and KV writes
+            assert count_triton_kernels(text) >= 5, (what, size)  # from 1024 rows on)

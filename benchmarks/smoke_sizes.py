@@ -54,7 +54,7 @@ def main() -> None:
     from serving.core import EngineCore, load
     from serving.outputs import SamplingParams
 
-    base = Settings(model=args.model, progress=False, warmup=False)
+    base = Settings(model=args.model, progress=False)
     t0 = time.perf_counter()
     model, tokenizer = load(base)
     print(f"model ready in {time.perf_counter() - t0:.1f}s", flush=True)
@@ -62,6 +62,8 @@ def main() -> None:
     rev = os.environ.get("M3JAX_GIT_REV") or subprocess.run(["git", "rev-parse", "--short", "HEAD"],
                                                             capture_output=True, text=True).stdout.strip()
     records = []
+    out = Path(args.out or f"benchmarks/results/smoke-sizes-{device.replace(' ', '_')}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
     for max_len, seqs, budget in itertools.product(args.max_model_len, args.max_num_seqs,
                                                    args.max_num_batched_tokens):
         rec = {"op": "smoke_sizes", "model": args.model, "max_model_len": max_len, "max_num_seqs": seqs,
@@ -88,9 +90,7 @@ def main() -> None:
             traceback.print_exc()
         print(json.dumps(rec), flush=True)
         records.append(rec)
-    out = Path(args.out or f"benchmarks/results/smoke-sizes-{device.replace(' ', '_')}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(records, indent=2) + "\n")
+        out.write_text(json.dumps(records, indent=2) + "\n")  # after each size: a run cut short keeps its part
     print(f"{sum(r['ok'] for r in records)} of {len(records)} sizes started and served", flush=True)
 
 

@@ -122,7 +122,7 @@ def attention(p: Params, cfg: M3Config, kind: str, h_TD: jax.Array, batch: Batch
 
 # ---- MLPs --------------------------------------------------------------------------------------------------
 
-def mlp(p: Params, cfg: M3Config, kind: str, h_TD: jax.Array, kernels: KernelChoice,
+def mlp(p: Params, cfg: M3Config, kind: str, h_TD: jax.Array, batch: Batch, kernels: KernelChoice,
         layer: jax.Array | int | None = None) -> jax.Array:
     """`layer`: the MoE's prepared experts (p["moe"]["experts"]) are the whole run's stack, read at this layer."""
     if kind == "dense":
@@ -130,7 +130,8 @@ def mlp(p: Params, cfg: M3Config, kind: str, h_TD: jax.Array, kernels: KernelCho
         return ops.dense_mlp(h_TD, m["w_gate"], m["w_up"], m["w_down"], alpha=cfg.swiglu_alpha,
                              limit=cfg.swiglu_limit)
     return ops.moe(h_TD, p["moe"], top_k=cfg.num_experts_per_tok, routed_scaling=cfg.routed_scaling_factor,
-                   alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit, impl=kernels.moe, layer=layer)
+                   alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit, impl=kernels.moe, layer=layer,
+                   num_valid=batch.query_start[-1])
 
 
 # ---- the decoder -------------------------------------------------------------------------------------------
@@ -143,7 +144,8 @@ def decoder_layer(lp: Params, cfg: M3Config, run: LayerRun, x_TD: jax.Array, bat
     o, pages, blocks = attention(lp, cfg, run.attn, rms_norm(x_TD, lp["input_norm"], cfg.rms_norm_eps), batch,
                                  rope, pages, reuse_blocks, recompute, kernels)
     x_TD = x_TD + o
-    x_TD = x_TD + mlp(lp, cfg, run.mlp, rms_norm(x_TD, lp["post_attn_norm"], cfg.rms_norm_eps), kernels, layer)
+    x_TD = x_TD + mlp(lp, cfg, run.mlp, rms_norm(x_TD, lp["post_attn_norm"], cfg.rms_norm_eps), batch, kernels,
+                      layer)
     return x_TD, pages, blocks
 
 

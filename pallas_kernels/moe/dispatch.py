@@ -26,9 +26,9 @@ __all__ = ["dense_mlp", "moe"]
 
 
 def moe(h_TD: jax.Array, p: dict, *, top_k: int, routed_scaling: float, alpha: float, limit: float,
-        impl: str, layer: jax.Array | int | None = None) -> jax.Array:
+        impl: str, layer: jax.Array | int | None = None, num_valid: jax.Array | None = None) -> jax.Array:
     """`layer`: p["experts"] (the prepared layout) is a whole run's stack [layers, S, ...] and this is layer
-    `layer`; the other params are that layer's."""
+    `layer`; the other params are that layer's. `num_valid`: the rows of h past it are a bucket's padding."""
     if impl not in IMPLS:
         raise ValueError(f"MoE impl {impl!r}: expected one of {IMPLS} (resolve the KernelChoice first)")
     if impl != "reference" and kernel_tiles(h_TD.shape[0], experts_of(p)[0]) is None:
@@ -40,4 +40,4 @@ def moe(h_TD: jax.Array, p: dict, *, top_k: int, routed_scaling: float, alpha: f
         ref_p = layout.reference_params(p, h_TD.dtype) if "w_gate" not in p else p
         return reference.moe(h_TD, ref_p, top_k=top_k, routed_scaling=routed_scaling, alpha=alpha, limit=limit)
     return moe_pallas(h_TD, p, top_k=top_k, routed_scaling=routed_scaling, alpha=alpha, limit=limit,
-                      interpret=impl == "interpret", layer=layer)
+                      interpret=impl == "interpret", layer=layer, num_valid=num_valid)

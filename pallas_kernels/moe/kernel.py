@@ -463,13 +463,18 @@ def combine(y_MD: jax.Array, dest_TJ: jax.Array, w_TJ: jax.Array) -> jax.Array:
 
 
 def moe_pallas(h_TD: jax.Array, p: dict, *, top_k: int, routed_scaling: float, alpha: float, limit: float,
-               tiles: MoeTiles | None = None, interpret: bool = False, layer: jax.Array | int | None = None
-               ) -> jax.Array:
+               tiles: MoeTiles | None = None, interpret: bool = False, layer: jax.Array | int | None = None,
+               num_valid: jax.Array | None = None) -> jax.Array:
     """Same function as `reference.moe`. Uses `p["experts"]` (checkpoints/prepare.py) when present, a run's
     whole stack with `layer`; otherwise reads the params' own w_gate/w_up/w_down (no copies) and runs the shared
-    expert through `dense_mlp`."""
+    expert through `dense_mlp`. Rows from `num_valid` on (a bucket's padding) take the first row's experts:
+    their outputs are never read, and routed on their own they would stream up to k more experts each (a
+    batch-1 decode padded to 8 tokens: up to 8 times the weight bytes)."""
     experts, shared_slot = experts_of(p)
     idx_TK, w_TK = route(h_TD, p["router"], p["router_bias"], top_k)
+    if num_valid is not None:
+        pad_T = jnp.arange(h_TD.shape[0]) >= num_valid
+        idx_TK = jnp.where(pad_T[:, None], idx_TK[:1], idx_TK)
     out = routed_experts_pallas(h_TD, idx_TK, w_TK, experts, shared_slot=shared_slot,
                                 routed_scaling=routed_scaling, alpha=alpha, limit=limit, tiles=tiles,
                                 interpret=interpret, layer=layer if "experts" in p else None)

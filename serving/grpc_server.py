@@ -1,28 +1,35 @@
 """The gRPC front end (`m3jax.v1.M3Jax`, see serving/proto/m3jax.proto), with the standard health service and
 server reflection, on grpc.aio in the engine interface's asyncio loop.
 
-Status codes: a bad request -> INVALID_ARGUMENT (the message says what is wrong); back-pressure ->
-RESOURCE_EXHAUSTED; shutting down -> UNAVAILABLE; a missing or wrong API key -> UNAUTHENTICATED; an engine
-failure after tokens were sent -> INTERNAL. grpc.aio cancels the handler task when the client cancels or the
-deadline passes; the handler's `async with RequestStream` then aborts the engine request and frees its pages.
+Status codes: a bad request -> INVALID_ARGUMENT (the message says what is wrong; a `max_tokens` that does not
+fit the model length after the prompt is one, while an unset one means "what fits, at most 16");
+back-pressure -> RESOURCE_EXHAUSTED (with `grpc-retry-pushback-ms` trailing metadata); shutting down ->
+UNAVAILABLE; a missing or wrong API key -> UNAUTHENTICATED; an engine failure after tokens were sent ->
+INTERNAL. grpc.aio cancels the handler task when the client cancels or the deadline passes; the handler's
+`async with RequestStream` then aborts the engine request and frees its pages. Prompts are tokenised (chat
+templates rendered) on a worker thread. One access log line per Generate call (logger `m3jax.access`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import logging
+import time
 from collections.abc import AsyncIterator
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from serving.core import Prompt
 from serving.outputs import RequestOutput, SamplingParams
 from serving.proto import m3jax_pb2 as pb
 from serving.proto import m3jax_pb2_grpc as pb_grpc
-from serving.server import Overloaded, RequestStream, ServingCore, ShuttingDown
+from serving.server import Overloaded, PromptSource, RequestStream, ServingCore, ShuttingDown, request_log_fields
 
 log = logging.getLogger(__name__)
+access_log = logging.getLogger("m3jax.access")
+RETRY_AFTER_SECONDS = 1
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["M3Jax"].full_name
 
@@ -49,15 +56,18 @@ class M3JaxServicer(pb_grpc.M3JaxServicer):
     def __init__(self, core: ServingCore):
         self.core = core
 
-    async def _authorize(self, context: grpc.aio.ServicerContext) -> None:
+    def _authorized(self, context: grpc.aio.ServicerContext) -> bool:
         if self.core.api_key is None:
-            return
+            return True
         header = dict(context.invocation_metadata() or ()).get("authorization")
-        if not self.core.check_api_key(header if isinstance(header, str) else None):
+        return self.core.check_api_key(header if isinstance(header, str) else None)
+
+    async def _authorize(self, context: grpc.aio.ServicerContext) -> None:
+        if not self._authorized(context):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED,
                                 "missing or wrong API key: send metadata `authorization: Bearer <key>`")
 
-    def _prompt(self, request: pb.GenerateRequest) -> Prompt:
+    def _prompt(self, request: pb.GenerateRequest) -> PromptSource:
         kind = request.WhichOneof("prompt")
         if kind == "text":
             if not request.text:
@@ -67,33 +77,61 @@ class M3JaxServicer(pb_grpc.M3JaxServicer):
             return list(request.token_ids.ids)
         if kind == "chat":
             messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
-            return self.core.encode_chat(messages)
+            # Rendered and tokenised on a worker thread, when the stream starts.
+            return functools.partial(self.core.encode_chat, messages)
         raise ValueError("the request has no prompt: set one of text, token_ids or chat")
 
     async def Generate(self, request: pb.GenerateRequest,  # noqa: N802 - the name comes from the proto
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
-        await self._authorize(context)
+        t0 = time.monotonic()
+        # Read now: once the call is over (cancelled, deadline) its context must not be asked anything.
+        peer = context.peer()
+        code = grpc.StatusCode.OK
+        stream: RequestStream | None = None
         try:
-            prompt = self._prompt(request)
-            params = sampling_params(request.sampling)
-            stream = self.core.open(prompt, params, "grpc", request.request_id or None, prefix="grpc")
-        except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except Overloaded as e:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-        except ShuttingDown as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-        async with stream:
-            first, sent_logprobs = True, 0
+            if not self._authorized(context):
+                code = grpc.StatusCode.UNAUTHENTICATED
+                await self._authorize(context)
             try:
-                async for out in stream:
-                    yield self._response(stream, out, first, sent_logprobs)
-                    first = False
-                    sent_logprobs = len(out.outputs[0].logprobs or ())
-            except ValueError as e:  # raised before the first token: the engine refused the request
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-            except RuntimeError as e:
-                await context.abort(grpc.StatusCode.INTERNAL, str(e))
+                prompt = self._prompt(request)
+                params = sampling_params(request.sampling)
+                given = "max_tokens" if request.sampling.HasField("max_tokens") else None
+                stream = self.core.open(prompt, params, "grpc", request.request_id or None, prefix="grpc",
+                                        max_tokens_param=given)
+            except ValueError as e:
+                code = grpc.StatusCode.INVALID_ARGUMENT
+                await context.abort(code, str(e))
+            except Overloaded as e:
+                code = grpc.StatusCode.RESOURCE_EXHAUSTED
+                # gRPC's own retry throttling reads this: when to try again.
+                await context.abort(code, str(e), trailing_metadata=(
+                    ("grpc-retry-pushback-ms", str(1000 * RETRY_AFTER_SECONDS)),))
+            except ShuttingDown as e:
+                code = grpc.StatusCode.UNAVAILABLE
+                await context.abort(code, str(e))
+            async with stream:
+                first, sent_logprobs = True, 0
+                try:
+                    async for out in stream:
+                        yield self._response(stream, out, first, sent_logprobs)
+                        first = False
+                        sent_logprobs = len(out.outputs[0].logprobs or ())
+                except ValueError as e:  # raised before the first token: the request is refused
+                    code = grpc.StatusCode.INVALID_ARGUMENT
+                    await context.abort(code, str(e))
+                except RuntimeError as e:
+                    code = grpc.StatusCode.INTERNAL
+                    await context.abort(code, str(e))
+        except asyncio.CancelledError:
+            code = grpc.StatusCode.CANCELLED  # the client cancelled, or its deadline passed
+            raise
+        finally:
+            fields = {"method": "Generate", "status": code.name, "latency": round(time.monotonic() - t0, 4),
+                      **request_log_fields(stream)}
+            extra = "".join(f" {k}={fields[k]}" for k in ("prompt_tokens", "completion_tokens", "finish_reason",
+                                                          "request_id") if k in fields)
+            access_log.info("%s gRPC Generate %s %.3fs%s", peer, code.name, fields["latency"], extra,
+                            extra=fields)
 
     @staticmethod
     def _response(stream: RequestStream, out: RequestOutput, first: bool, sent_logprobs: int) -> pb.GenerateResponse:

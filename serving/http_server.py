@@ -1,19 +1,27 @@
 """The OpenAI-compatible HTTP front end (aiohttp): `/v1/completions`, `/v1/chat/completions` (SSE streaming or
-not), `/v1/models`, `/health`, `/metrics` (Prometheus).
+not), `/v1/models`, `/v1/models/{id}`, and vLLM's `/tokenize`, `/detokenize`, `/version`, plus `/health` and
+`/metrics` (Prometheus).
 
 Requests are checked field by field before anything runs, and every refusal is an OpenAI-style body
 `{"error": {"message", "type", "param", "code"}}`: 400 for malformed JSON / wrong types / values the engine cannot
-take, 401 for a missing API key, 404 for an unknown model (`model_not_found`), 429 for back-pressure, 503 while
-shutting down. What OpenAI's API has and this server does not (n > 1, echo, suffix, logit_bias, batches of
-prompts, JSON mode) is refused with a message that says so rather than silently ignored.
+take / unknown fields, 401 for a missing API key, 404 for an unknown model (`model_not_found`), 413 for a body over
+the limit (refused from its Content-Length, before it is read), 429 for back-pressure (with `Retry-After`), 503
+while shutting down. Nothing a client asks for is silently changed: what OpenAI's API has and this server does not
+(`UNSUPPORTED`: n > 1, tools, JSON mode, logit_bias, ...) is a 400 naming the field, and so is a max_tokens that
+does not fit the model length after the prompt (vLLM's rule). Large bodies are parsed, and every prompt is
+tokenised, on worker threads: the event loop, and with it /health and every other stream, never waits for them.
 
 Extras in vLLM's spelling: top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids, skip_special_tokens,
 chat_template_kwargs, add_generation_prompt, return_token_ids (token ids in each choice: `token_ids`, and
 `prompt_token_ids` in the first).
+
+One access log line per request (logger `m3jax.access`; /health and /metrics at DEBUG): method, path, status,
+latency, and for generation requests the request id, prompt and completion tokens and finish reason.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import functools
 import json
@@ -28,11 +36,23 @@ from aiohttp import web
 from serving.core import Prompt
 from serving.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from serving.outputs import Logprob, RequestOutput, SamplingParams
-from serving.server import Overloaded, RequestStream, ServingCore, ShuttingDown
+from serving.server import (
+    Overloaded,
+    PromptSource,
+    RequestError,
+    RequestStream,
+    ServingCore,
+    ShuttingDown,
+    request_log_fields,
+    version,
+)
 
 log = logging.getLogger(__name__)
+access_log = logging.getLogger("m3jax.access")
 
-MAX_BODY_BYTES = 64 * 2**20  # a 65k-token prompt as token ids is ~0.5 MB; leave room for long chats
+# Bodies above this are parsed on a worker thread (json.loads of a few MB takes tens of milliseconds).
+_PARSE_INLINE_BYTES = 64 * 1024
+RETRY_AFTER_SECONDS = 1  # what a 429 tells the client to wait: admission slots free as requests finish
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -41,15 +61,16 @@ class APIError(Exception):
     """A request refused with an OpenAI-style error body."""
 
     def __init__(self, message: str, status: int = 400, type: str = "invalid_request_error",  # noqa: A002
-                 param: str | None = None, code: str | None = None):
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.message, self.status, self.type, self.param, self.code = message, status, type, param, code
+        self.headers = headers
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> web.Response:
-        return web.json_response(self.body(), status=self.status)
+        return web.json_response(self.body(), status=self.status, headers=self.headers)
 
 
 # ---- request parsing (pure functions: tested without a server) -----------------------------------------------
@@ -176,40 +197,107 @@ class Options:
     stream: bool = False
     include_usage: bool = False
     return_token_ids: bool = False
+    # The field in which the client set max_tokens (named in the error when it does not fit the model length),
+    # or None: not set, `SamplingParams.max_tokens` is a default that is lowered to what fits.
+    max_tokens_param: str | None = None
+
+
+# ---- which fields a request may carry -------------------------------------------------------------------------
+
+# The fields each endpoint reads (besides those of UNSUPPORTED at their neutral values).
+_SAMPLING = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
+             "ignore_eos", "logprobs", "repetition_penalty", "presence_penalty", "frequency_penalty",
+             "skip_special_tokens", "stream", "stream_options", "return_token_ids"}
+COMPLETION_FIELDS = frozenset(_SAMPLING | {"prompt"})
+CHAT_FIELDS = frozenset(_SAMPLING | {"messages", "max_completion_tokens", "top_logprobs", "chat_template_kwargs",
+                                     "add_generation_prompt"})
+TOKENIZE_FIELDS = frozenset({"model", "prompt", "messages", "add_generation_prompt", "chat_template_kwargs",
+                             "return_token_strs"})
+DETOKENIZE_FIELDS = frozenset({"model", "tokens"})
+# OpenAI's bookkeeping fields, which never change what is generated: accepted, not used. (`parallel_tool_calls`
+# only means something with `tools`, which are refused.)
+IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
+                            "parallel_tool_calls"})
+
+
+def _absent(v: Any) -> bool:
+    return v is None
+
+
+# OpenAI and vLLM request fields this server does not implement yet: (the values that ask for nothing, what the
+# field is for). A request that sets one to anything else gets a 400 naming it, rather than an answer that
+# silently ignores it. Implementing one = removing its entry and reading the field in `sampling_params` (and the
+# endpoint's *_FIELDS above).
+UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "n": (lambda v: v == 1, "only n=1 is supported, got n={value}: send several requests for several samples"),
+    "best_of": (lambda v: v == 1, "only best_of=1 is supported"),
+    "echo": (lambda v: v is False, "echoing the prompt"),
+    "suffix": (lambda v: v == "", "insertion after a suffix"),
+    "logit_bias": (lambda v: v == {}, "logit biases"),
+    "tools": (lambda v: v == [], "tool calling"),
+    "tool_choice": (lambda v: v == "none", "tool calling"),
+    "functions": (lambda v: v == [], "function calling"),
+    "function_call": (lambda v: v == "none", "function calling"),
+    "response_format": (lambda v: v == {"type": "text"}, "JSON mode and structured output"),
+    "structured_outputs": (_absent, "structured output"),
+    "guided_json": (_absent, "structured output"),
+    "guided_regex": (_absent, "structured output"),
+    "guided_choice": (_absent, "structured output"),
+    "guided_grammar": (_absent, "structured output"),
+    "reasoning_effort": (_absent, "reasoning effort"),
+    "include_stop_str_in_output": (lambda v: v is False, "stop strings in the output"),
+    "min_tokens": (lambda v: v == 0, "a minimum output length"),
+    "prompt_logprobs": (_absent, "prompt logprobs"),
+    "allowed_token_ids": (_absent, "restricting the vocabulary"),
+    "bad_words": (lambda v: v == [], "banned words"),
+    "use_beam_search": (lambda v: v is False, "beam search"),
+    "truncate_prompt_tokens": (_absent, "prompt truncation"),
+    "continue_final_message": (lambda v: v is False, "continuing the final message"),
+    "chat_template": (_absent, "a chat template of the client's"),
+    "documents": (_absent, "documents for the chat template"),
+    "modalities": (lambda v: v == ["text"], "audio output"),
+    "audio": (_absent, "audio output"),
+    "prediction": (_absent, "predicted outputs"),
+    "web_search_options": (_absent, "web search"),
+}
+
+
+def check_fields(body: dict[str, Any], known: frozenset[str]) -> None:
+    """APIError naming the first field this endpoint does not take: one of UNSUPPORTED set to something, or one
+    it does not know at all."""
+    for name, value in body.items():
+        if value is None or name in known or name in IGNORED_FIELDS:
+            continue
+        if name in UNSUPPORTED:
+            neutral, what = UNSUPPORTED[name]
+            if neutral(value):
+                continue
+            if "{value}" in what:
+                raise APIError(what.format(value=value), param=name)
+            raise APIError(f"`{name}` is not supported by this server ({what}); send the request without it",
+                           param=name)
+        raise APIError(f"unknown field `{name}`: this endpoint does not take it", param=name)
 
 
 def sampling_params(body: dict[str, Any], *, chat: bool, max_model_len: int) -> tuple[SamplingParams, Options]:
     """OpenAI (and vLLM extra) fields -> SamplingParams, Options. APIError names the offending field."""
-    n = _get(body, "n", int, 1)
-    if n != 1:
-        raise APIError(f"only n=1 is supported, got n={n}: send several requests for several samples", param="n")
-    if _get(body, "best_of", int, 1) != 1:
-        raise APIError("best_of is not supported (only 1)", param="best_of")
-    for name in ("echo", "include_stop_str_in_output"):
-        if _get(body, name, bool, False):
-            raise APIError(f"`{name}` is not supported by this server", param=name)
-    if _get(body, "suffix", str):
-        raise APIError("`suffix` is not supported by this server", param="suffix")
-    if _get(body, "logit_bias", dict):
-        raise APIError("`logit_bias` is not supported by this server", param="logit_bias")
-    fmt = _get(body, "response_format", dict)
-    if fmt is not None and fmt.get("type") not in (None, "text"):
-        raise APIError("`response_format` other than text (JSON mode, schemas) is not supported",
-                       param="response_format")
-
+    check_fields(body, CHAT_FIELDS if chat else COMPLETION_FIELDS)
     if chat:
-        max_tokens = _get(body, "max_completion_tokens", int)
+        param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+        max_tokens = _get(body, param, int)
         if max_tokens is None:
-            max_tokens = _get(body, "max_tokens", int)
-        if max_tokens is None:
-            max_tokens = max_model_len  # OpenAI's chat default: until done; the engine clamps to the model length
+            # OpenAI's chat default: until done, i.e. whatever room the prompt leaves (vLLM's default too).
+            max_tokens, param = max_model_len, None
         want_logprobs = _get(body, "logprobs", bool, False)
         top = _get(body, "top_logprobs", int)
         if top is not None and not want_logprobs:
             raise APIError("`top_logprobs` needs `logprobs: true`", param="top_logprobs")
         logprobs = (top or 0) if want_logprobs else None
     else:
-        max_tokens = _get(body, "max_tokens", int, 16)  # OpenAI's completions default
+        max_tokens = _get(body, "max_tokens", int)
+        param = "max_tokens"
+        if max_tokens is None:
+            max_tokens, param = 16, None  # OpenAI's completions default (lowered if the prompt leaves less room)
         logprobs = _get(body, "logprobs", int)
 
     stop = body.get("stop")
@@ -244,11 +332,11 @@ def sampling_params(body: dict[str, Any], *, chat: bool, max_model_len: int) -> 
     try:
         params = SamplingParams(**kwargs)
     except ValueError as e:
-        param = _param_named_in(str(e))
-        if param == "max_tokens" and chat and body.get("max_completion_tokens") is not None:
-            param = "max_completion_tokens"
-        raise APIError(str(e), param=param) from None
-    return params, Options(stream, include_usage, _get(body, "return_token_ids", bool, False))
+        named = _param_named_in(str(e))
+        if named == "max_tokens" and param is not None:
+            named = param
+        raise APIError(str(e), param=named) from None
+    return params, Options(stream, include_usage, _get(body, "return_token_ids", bool, False), param)
 
 
 # ---- responses -----------------------------------------------------------------------------------------------
@@ -344,24 +432,32 @@ class _Answer:
 
 
 class HttpServer:
-    def __init__(self, core: ServingCore, shutdown_timeout: float = 30.0):
+    def __init__(self, core: ServingCore, shutdown_timeout: float = 30.0, max_body_bytes: int = 2**20):
         self.core = core
         self.shutdown_timeout = shutdown_timeout
-        self.app = web.Application(middlewares=[self._errors, self._auth], client_max_size=MAX_BODY_BYTES)
+        self.max_body_bytes = max_body_bytes
+        self.app = web.Application(middlewares=[self._access_log, self._errors, self._auth],
+                                   client_max_size=max_body_bytes)
         self.app.add_routes([
             web.post("/v1/completions", self.completions),
             web.post("/v1/chat/completions", self.chat_completions),
             web.get("/v1/models", self.models),
+            web.get("/v1/models/{model_id:.+}", self.model),
+            web.post("/tokenize", self.tokenize),
+            web.post("/detokenize", self.detokenize),
+            web.get("/version", self.version),
             web.get("/health", self.health),
             web.get("/metrics", self.metrics),
         ])
         self.runner: web.AppRunner | None = None
         self.token_str = functools.lru_cache(maxsize=1 << 16)(self._token_str)
 
-    async def start(self, host: str, port: int) -> int:
-        """Bind and start; returns the bound port (port 0 = any free one)."""
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        sock = socket.create_server((host, port), family=family)
+    async def start(self, host: str, port: int, sock: socket.socket | None = None) -> int:
+        """Start serving on `sock` (bound, not yet listening: `serving.server.Listeners`), or bind host:port;
+        returns the bound port (port 0 = any free one)."""
+        if sock is None:
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            sock = socket.create_server((host, port), family=family)
         # handler_cancellation: a client that disconnects cancels its handler at once, which aborts its engine
         # request, instead of the request running on until its next write fails.
         self.runner = web.AppRunner(self.app, handler_cancellation=True, shutdown_timeout=self.shutdown_timeout,
@@ -382,12 +478,33 @@ class HttpServer:
     # -- middlewares --
 
     @web.middleware
+    async def _access_log(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        t0 = time.monotonic()
+        status = 500
+        try:
+            resp = await handler(request)
+            status = resp.status
+            return resp
+        except asyncio.CancelledError:
+            status = 499  # the client closed the connection before the answer was complete (nginx's code)
+            raise
+        finally:
+            latency = time.monotonic() - t0
+            fields = {"remote": request.remote, "method": request.method, "path": request.path, "status": status,
+                      "latency": round(latency, 4), **request_log_fields(request.get("m3jax_stream"))}
+            extra = "".join(f" {k}={fields[k]}" for k in ("prompt_tokens", "completion_tokens", "finish_reason",
+                                                          "request_id") if k in fields)
+            quiet = request.path in ("/health", "/metrics")
+            access_log.log(logging.DEBUG if quiet else logging.INFO, '%s "%s %s" %d %.3fs%s', request.remote,
+                           request.method, request.path, status, latency, extra, extra=fields)
+
+    @web.middleware
     async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         try:
             return await handler(request)
         except APIError as e:
             return e.response()
-        except web.HTTPException as e:  # unknown route, wrong method, body too large: same error shape
+        except web.HTTPException as e:  # unknown route, wrong method: same error shape
             if e.status < 400:
                 raise
             kind = "not_found_error" if e.status == 404 else "invalid_request_error"
@@ -404,6 +521,23 @@ class HttpServer:
                            "authentication_error", code="invalid_api_key")
         return await handler(request)
 
+    async def _json(self, request: web.Request) -> dict[str, Any]:
+        """The request's JSON object. A body over the limit is refused from its Content-Length before a byte of
+        it is read (or, without one, as soon as the limit is passed); a large one is parsed on a worker thread."""
+        limit = self.max_body_bytes
+        too_large = APIError(f"the request body is larger than this server's limit of {limit} bytes "
+                             f"(--max-request-body-mb; the model length is {self.core.engine.max_model_len} tokens)",
+                             413, code="request_too_large")
+        if request.content_length is not None and request.content_length > limit:
+            raise too_large
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise too_large from None
+        if len(raw) > _PARSE_INLINE_BYTES:
+            return await self.core.run_blocking(parse_body, raw)
+        return parse_body(raw)
+
     # -- routes --
 
     async def health(self, request: web.Request) -> web.Response:
@@ -416,12 +550,21 @@ class HttpServer:
         resp.headers["Content-Type"] = METRICS_CONTENT_TYPE
         return resp
 
-    async def models(self, request: web.Request) -> web.Response:
+    async def version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": version()})
+
+    def _card(self) -> dict[str, Any]:
         info = self.core.model_info()
-        card = {"id": self.core.model_name, "object": "model", "created": int(self.core.started),
+        return {"id": self.core.model_name, "object": "model", "created": int(self.core.started),
                 "owned_by": "m3jax", "root": self.core.model_path, "parent": None,
                 "max_model_len": info["max_model_len"], "m3jax": info}
-        return web.json_response({"object": "list", "data": [card]})
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [self._card()]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        self._check_model({"model": request.match_info["model_id"]})
+        return web.json_response(self._card())
 
     def _check_model(self, body: dict[str, Any]) -> None:
         model = _get(body, "model", str)
@@ -429,41 +572,85 @@ class HttpServer:
             raise APIError(f"The model `{model}` does not exist; this server serves `{self.core.model_name}`",
                            404, "invalid_request_error", param="model", code="model_not_found")
 
+    def _chat_prompt(self, body: dict[str, Any]) -> PromptSource:
+        """The conversation as a function that renders the chat template and tokenises (a worker thread's job)."""
+        messages = chat_messages(body.get("messages"))
+        template_kwargs = _get(body, "chat_template_kwargs", dict, {})
+        reserved = {"messages", "tools", "add_generation_prompt", "chat_template"} & set(template_kwargs)
+        if reserved:
+            raise APIError(f"`chat_template_kwargs` may not set {', '.join(sorted(reserved))}",
+                           param="chat_template_kwargs")
+        kwargs = {**template_kwargs, "add_generation_prompt": _get(body, "add_generation_prompt", bool, True)}
+        return functools.partial(self.core.encode_chat, messages, **kwargs)
+
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        body = parse_body(await request.read())
+        body = await self._json(request)
         self._check_model(body)
-        prompt = completion_prompt(body.get("prompt"))
         params, options = sampling_params(body, chat=False, max_model_len=self.core.engine.max_model_len)
+        prompt = completion_prompt(body.get("prompt"))
         return await self._run(request, prompt, params, options, chat=False)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        body = parse_body(await request.read())
+        body = await self._json(request)
         self._check_model(body)
-        messages = chat_messages(body.get("messages"))
         params, options = sampling_params(body, chat=True, max_model_len=self.core.engine.max_model_len)
-        template_kwargs = _get(body, "chat_template_kwargs", dict, {})
-        tools = _get(body, "tools", list)
-        try:
-            prompt = self.core.encode_chat(messages, add_generation_prompt=_get(body, "add_generation_prompt",
-                                                                               bool, True),
-                                           tools=tools, **template_kwargs)
-        except (ValueError, TypeError) as e:
-            raise APIError(str(e), param="messages") from None
-        return await self._run(request, prompt, params, options, chat=True)
+        return await self._run(request, self._chat_prompt(body), params, options, chat=True)
 
-    async def _run(self, request: web.Request, prompt: Prompt, params: SamplingParams, options: Options,
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's /tokenize: `{"prompt"}` or `{"messages"}` -> `{"count", "max_model_len", "tokens",
+        "token_strs"}`, the ids /v1/completions or /v1/chat/completions would feed the model."""
+        body = await self._json(request)
+        self._check_model(body)
+        check_fields(body, TOKENIZE_FIELDS)
+        if self.core.tokenizer is None:
+            raise APIError("this model has no tokenizer: nothing to tokenize with")
+        chat = body.get("messages") is not None
+        if chat == (body.get("prompt") is not None):
+            raise APIError("send either `prompt` (a string) or `messages`", param="prompt")
+        prompt: PromptSource = self._chat_prompt(body) if chat else _get(body, "prompt", str)
+        try:
+            ids = await self.core.run_blocking(self.core.prompt_ids, prompt)
+        except ValueError as e:
+            raise APIError(str(e), param="messages" if chat else "prompt") from None
+        strs = [self.core.tokenizer.id_to_token(t) for t in ids] if _get(body, "return_token_strs", bool) else None
+        return web.json_response({"count": len(ids), "max_model_len": self.core.engine.max_model_len,
+                                  "tokens": ids, "token_strs": strs})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        """vLLM's /detokenize: `{"tokens"}` -> `{"prompt"}`."""
+        body = await self._json(request)
+        self._check_model(body)
+        check_fields(body, DETOKENIZE_FIELDS)
+        tokens = body.get("tokens")
+        vocab = self.core.engine.model.cfg.vocab_size
+        if not _int_list(tokens):
+            raise APIError("`tokens` must be an array of token ids", param="tokens")
+        bad = [t for t in tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param="tokens")
+        if self.core.tokenizer is None:
+            raise APIError("this model has no tokenizer: nothing to detokenize with")
+        text = await self.core.run_blocking(self.core.tokenizer.decode, tokens)
+        return web.json_response({"prompt": text})
+
+    async def _run(self, request: web.Request, prompt: PromptSource, params: SamplingParams, options: Options,
                    chat: bool) -> web.StreamResponse:
         try:
-            stream = self.core.open(prompt, params, "http", prefix="chatcmpl" if chat else "cmpl")
+            stream = self.core.open(prompt, params, "http", prefix="chatcmpl" if chat else "cmpl",
+                                    max_tokens_param=options.max_tokens_param)
         except Overloaded as e:
-            raise APIError(str(e), 429, "rate_limit_error", code="server_overloaded") from None
+            raise APIError(str(e), 429, "rate_limit_error", code="server_overloaded",
+                           headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
         except ShuttingDown as e:
             raise APIError(str(e), 503, "service_unavailable", code="shutting_down") from None
+        request["m3jax_stream"] = stream
         async with stream:
             try:
                 # The first output: tokenising and validating happen here, so a bad prompt is still a 400 (the
                 # SSE headers are not sent before it).
                 first = await anext(stream)
+            except RequestError as e:
+                raise APIError(str(e), param=e.param or ("messages" if chat else "prompt")) from None
             except ValueError as e:
                 raise APIError(str(e), param="messages" if chat else "prompt") from None
             except RuntimeError as e:

@@ -7,33 +7,58 @@ Every flag is a field of `m3jax.settings.Settings` (`m3jax serve --help` lists t
 The parts:
 - `ServingCore`: what both front ends share. Back-pressure (a bound on requests admitted and not finished,
   counted across both servers; past it a request is refused at once, never queued without bound), request ids,
-  metrics, and `RequestStream`, the one way a front end runs a request.
-- `serve()`: builds the EngineCore, starts both servers, prints the bound ports, and on SIGINT / SIGTERM shuts down
-  gracefully: stop accepting, let in-flight requests finish for `--shutdown-timeout` seconds (a second signal
-  aborts them at once), abort what is left, stop the engine loop, exit 0.
+  tokenisation off the event loop, the model-length check of max_tokens, metrics, and `RequestStream`, the one
+  way a front end runs a request.
+- `serve()`: checks every flag and binds both ports before anything heavy starts, then loads the model and
+  builds the engine on a worker thread (logging each stage), starts both servers, prints the bound ports, logs
+  throughput while serving, and on SIGINT / SIGTERM shuts down gracefully.
+
+Signals, at every moment:
+- during start-up (loading weights, compiling or loading step executables, starting the servers) a signal
+  ends the process at once with exit 0. Start-up runs on a worker thread while the main thread only waits, so
+  the signal handler runs within 0.1 s however long a load or an XLA compile takes, and it exits through
+  `os._exit` rather than an exception that library code could catch and swallow;
+- while serving, the first signal drains: stop accepting, let in-flight requests finish for
+  `--shutdown-timeout` seconds, stop the engine, exit 0; a second one aborts the in-flight requests; a third
+  exits at once.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import contextlib
+import dataclasses
+import datetime
+import errno
+import json
 import logging
+import os
 import signal
+import socket
 import sys
+import threading
 import time
 import types
 import uuid
+from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
-from m3jax.settings import Settings
+from m3jax.settings import Settings, flag
 from m3jax.settings import add_arguments as add_settings_arguments
 from serving.core import EngineCore, Prompt
 from serving.engine import AsyncEngine
-from serving.metrics import ServerMetrics
+from serving.metrics import Reading, ServerMetrics
 from serving.outputs import RequestOutput, SamplingParams
 
 log = logging.getLogger("m3jax.serve")
+stats_log = logging.getLogger("m3jax.stats")
+
+# What a front end hands to `ServingCore.open`: text, token ids, or a function that makes the ids (a chat
+# template to render); text and functions run on a worker thread.
+PromptSource = Prompt | Callable[[], list[int]]
 
 
 class Overloaded(Exception):
@@ -44,26 +69,76 @@ class ShuttingDown(Exception):
     """The server is draining and takes no new requests (HTTP 503 / UNAVAILABLE)."""
 
 
+class RequestError(ValueError):
+    """A bad request, found before it reached the engine; `param` names the field at fault (None: the prompt)."""
+
+    def __init__(self, message: str, param: str | None = None, num_prompt_tokens: int = 0):
+        super().__init__(message)
+        self.param = param
+        self.num_prompt_tokens = num_prompt_tokens  # for the access log, when the prompt was tokenised
+
+
+# ---- tokenisation that lets the event loop run -----------------------------------------------------------------
+
+
+def encode_text(tokenizer: Any, text: str) -> list[int]:
+    """`tokenizer.encode(text)`, with the GIL released while the Rust tokenizer works.
+
+    The `tokenizers` binding holds the GIL through `encode` but releases it in `encode_batch`: a long prompt
+    tokenised on a worker thread by `encode` would still stop the event loop (and /health) for as long as it
+    takes. A test holds this equal to `M3Tokenizer.encode`.
+    """
+    from tokenizers import Tokenizer
+
+    backend = getattr(tokenizer, "backend", None)
+    if isinstance(backend, Tokenizer):
+        return backend.encode_batch([text], add_special_tokens=False)[0].ids
+    return tokenizer.encode(text)
+
+
+def chat_ids(tokenizer: Any, messages: Any, **template_kwargs: Any) -> list[int]:
+    """`tokenizer.encode_chat(messages, ...)` through `encode_text`: the rendered template, tokenised, with
+    exactly one BOS where the template wrote two (what `M3Tokenizer.encode_chat` does; a test holds them equal)."""
+    if tokenizer is None:
+        raise ValueError("this model has no tokenizer, so it has no chat template: send token ids")
+    try:
+        text = tokenizer.apply_chat_template(messages, **template_kwargs)
+    except TypeError as e:  # a wrong argument type from a client's JSON
+        raise ValueError(str(e)) from None
+    ids = encode_text(tokenizer, text)
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if len(ids) >= 2 and bos is not None and ids[0] == ids[1] == bos:
+        ids = ids[1:]
+    return ids
+
+
+# ---- one request -------------------------------------------------------------------------------------------------
+
+
 class RequestStream:
     """One admitted request. Iterate it for RequestOutputs; use it as `async with` so that, however the front
     end leaves (finished, client gone, error, cancelled task), an unfinished request is aborted (its pages
     freed) and its admission slot returned.
 
-    The first `__anext__` tokenises and validates (ValueError at once for a bad request), then waits for the
-    first token.
+    The first `__anext__` tokenises (on a worker thread) and validates, raising ValueError at once for a bad
+    request (a `RequestError` naming the field where the server found it), then waits for the first token.
     """
 
-    def __init__(self, core: ServingCore, prompt: Prompt, params: SamplingParams, request_id: str, api: str):
+    def __init__(self, core: ServingCore, prompt: PromptSource, params: SamplingParams, request_id: str, api: str,
+                 max_tokens_param: str | None):
         self.core = core
         self.request_id = request_id
         self.api = api
+        self.params = params
+        self.max_tokens_param = max_tokens_param
         self.arrival = time.monotonic()
         self.num_prompt_tokens = 0
         self.num_tokens = 0
         self.finish_reason: str | None = None
+        self._prompt: PromptSource | None = prompt
         self._first: float | None = None
         self._last: float | None = None
-        self._gen = core.async_engine.generate(prompt, params, request_id)
+        self._gen: Any = None  # the engine's stream, once the prompt is tokenised
 
     async def __aenter__(self) -> RequestStream:
         return self
@@ -71,8 +146,9 @@ class RequestStream:
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                         tb: types.TracebackType | None) -> None:
         try:
-            # Closing the engine's generator while it waits at a yield runs its `finally`: the abort.
-            await self._gen.aclose()
+            if self._gen is not None:
+                # Closing the engine's generator while it waits at a yield runs its `finally`: the abort.
+                await self._gen.aclose()
         finally:
             if self.finish_reason is None:
                 self.finish_reason = "cancelled"  # the front end left early: its client went away
@@ -85,9 +161,15 @@ class RequestStream:
         if self.finish_reason is not None:
             raise StopAsyncIteration
         try:
+            if self._gen is None:
+                prompt, self._prompt = self._prompt, None
+                ids, self.params = await self.core.prepare(prompt, self.params, self.max_tokens_param)
+                self.num_prompt_tokens = len(ids)
+                self._gen = self.core.async_engine.generate(ids, self.params, self.request_id)
             out = await self._gen.__anext__()
-        except ValueError:
-            self.finish_reason = "rejected"  # refused before its first token: bad request
+        except ValueError as e:
+            self.finish_reason = "invalid"  # refused before its first token: a bad request (400)
+            self.num_prompt_tokens = getattr(e, "num_prompt_tokens", 0) or self.num_prompt_tokens
             raise
         except RuntimeError:
             self.finish_reason = "error"
@@ -102,23 +184,22 @@ class RequestStream:
         if n:
             if self._first is None:
                 self._first = now
-                self.num_prompt_tokens = len(out.prompt_token_ids)
-                m.prompt_tokens.inc(self.num_prompt_tokens)
-                m.ttft.observe(now - self.arrival)
-            elif self._last is not None:
-                for _ in range(n):  # tokens that arrive together share the gap
-                    m.itl.observe((now - self._last) / n)
+                m.first_token(now - self.arrival, self.num_prompt_tokens)
+            m.tokens(n, now - self._last if self._last is not None else None)
             self._last = now
             self.num_tokens += n
-            m.generation_tokens.inc(n)
         if out.finished:
             self.finish_reason = out.outputs[0].finish_reason or "stop"
-            m.e2e.observe(now - self.arrival)
-            if self._first is not None and self.num_tokens > 1:
-                m.tpot.observe((now - self._first) / (self.num_tokens - 1))
             # The engine has freed its pages: give the slot back now, before the front end sends the last
             # message, so that a client that starts its next request on receiving it is not refused.
             self.core._release(self)
+
+    @property
+    def reached_engine(self) -> bool:
+        return self._gen is not None
+
+
+# ---- what both servers share --------------------------------------------------------------------------------
 
 
 class ServingCore:
@@ -137,60 +218,135 @@ class ServingCore:
         self.draining = False
         self.started = time.time()
         self.active: dict[str, RequestStream] = {}
-        stats = engine.stats
-        self.metrics = ServerMetrics(
-            gauges={
-                "m3jax_num_requests_waiting": ("Requests queued in the engine", lambda: engine.num_waiting),
-                "m3jax_num_requests_running": ("Requests holding KV pages", lambda: engine.num_running),
-                "m3jax_requests_in_flight": ("Requests admitted by the servers and not finished",
-                                             lambda: len(self.active)),
-                "m3jax_max_queue": ("Admission limit (--max-queue)", lambda: self.max_queue),
-                "m3jax_kv_pages_in_use": ("KV cache pages in use", lambda: engine.pages_in_use),
-                "m3jax_kv_pages_total": ("Usable KV cache pages", lambda: engine.num_pages),
-                "m3jax_kv_cache_usage_ratio": ("Fraction of KV pages in use",
-                                               lambda: engine.pages_in_use / max(engine.num_pages, 1)),
-            },
-            counters={
-                "m3jax_engine_steps": ("Engine steps run", lambda: stats.get("steps", 0)),
-                "m3jax_engine_step_tokens": ("Tokens through the model", lambda: stats.get("step_tokens", 0)),
-                "m3jax_preemptions": ("Requests preempted (recomputed later)", lambda: stats.get("preemptions", 0)),
-                "m3jax_prefix_cache_queries": ("Tokens looked up in the prefix cache at admission",
-                                               lambda: engine.prefix_cache_queries),
-                "m3jax_prefix_cache_hits": ("Tokens found in the prefix cache (not computed again)",
-                                            lambda: engine.prefix_cache_hits),
-            })
+        # Tokenising, chat templates and large JSON bodies: off the event loop.
+        self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="m3jax-tokenize")
+        self.metrics = ServerMetrics(model_name, self._readings(), engine.max_model_len)
+
+    def _readings(self) -> list[Reading]:
+        engine, stats, name = self.engine, self.engine.stats, (("model_name", self.model_name),)
+
+        def usage() -> float:
+            return engine.pages_in_use / max(engine.num_pages, 1)
+
+        return [
+            Reading("gauge", "m3jax_num_requests_waiting", "Requests queued in the engine", lambda: engine.num_waiting),
+            Reading("gauge", "m3jax_num_requests_running", "Requests holding KV pages", lambda: engine.num_running),
+            Reading("gauge", "m3jax_requests_in_flight", "Requests admitted by the servers and not finished",
+                    lambda: len(self.active)),
+            Reading("gauge", "m3jax_max_queue", "Admission limit (--max-queue)", lambda: self.max_queue),
+            Reading("gauge", "m3jax_kv_pages_in_use", "KV cache pages in use", lambda: engine.pages_in_use),
+            Reading("gauge", "m3jax_kv_pages_total", "Usable KV cache pages", lambda: engine.num_pages),
+            Reading("gauge", "m3jax_kv_cache_usage_ratio", "Fraction of KV pages in use", usage),
+            Reading("counter", "m3jax_engine_steps", "Engine steps run", lambda: stats.get("steps", 0)),
+            Reading("counter", "m3jax_engine_step_tokens", "Tokens through the model",
+                    lambda: stats.get("step_tokens", 0)),
+            Reading("counter", "m3jax_preemptions", "Requests preempted (recomputed later)",
+                    lambda: stats.get("preemptions", 0)),
+            Reading("counter", "m3jax_prefix_cache_queries", "Tokens looked up in the prefix cache at admission",
+                    lambda: engine.prefix_cache_queries),
+            Reading("counter", "m3jax_prefix_cache_hits", "Tokens found in the prefix cache (not computed again)",
+                    lambda: engine.prefix_cache_hits),
+            # vLLM's names and labels, for the dashboards written for it.
+            Reading("gauge", "vllm:num_requests_running", "Number of requests in model execution batches.",
+                    lambda: engine.num_running, name),
+            Reading("gauge", "vllm:num_requests_waiting", "Number of requests waiting to be processed.",
+                    lambda: engine.num_waiting, name),
+            Reading("gauge", "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", usage, name),
+            Reading("gauge", "vllm:gpu_cache_usage_perc", "GPU KV-cache usage. 1 means 100 percent usage "
+                    "(vLLM's older name of vllm:kv_cache_usage_perc).", usage, name),
+            Reading("counter", "vllm:num_preemptions", "Cumulative number of preemption from the engine.",
+                    lambda: stats.get("preemptions", 0), name),
+            Reading("counter", "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried "
+                    "tokens.", lambda: engine.prefix_cache_queries, name),
+            Reading("counter", "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+                    lambda: engine.prefix_cache_hits, name),
+        ]
 
     @property
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
 
-    def open(self, prompt: Prompt, params: SamplingParams, api: str, request_id: str | None = None,
-             prefix: str = "req") -> RequestStream:
+    # ---- requests ------------------------------------------------------------------------------------------
+    def open(self, prompt: PromptSource, params: SamplingParams, api: str, request_id: str | None = None,
+             prefix: str = "req", max_tokens_param: str | None = None) -> RequestStream:
         """Admit a request, or refuse it at once: ShuttingDown, Overloaded, ValueError (duplicate id). Runs on
-        the event loop, so the check and the insertion are atomic with respect to other requests."""
+        the event loop, so the check and the insertion are atomic with respect to other requests.
+
+        `max_tokens_param`: the field in which the client set max_tokens (its name goes into the error when the
+        prompt and max_tokens do not fit the model length), or None when the client did not set it and
+        `params.max_tokens` is only a default (then it is lowered to what fits)."""
         if self.draining:
             raise ShuttingDown("the server is shutting down")
         if len(self.active) >= self.max_queue:
-            self.metrics.rejected.inc()
+            self.metrics.overloaded()
             raise Overloaded(f"the server is at its limit of {self.max_queue} requests in flight; retry later")
         rid = request_id or f"{prefix}-{uuid.uuid4().hex}"
         if rid in self.active:
             raise ValueError(f"request id {rid!r} is already in flight")
-        stream = RequestStream(self, prompt, params, rid, api)
+        stream = RequestStream(self, prompt, params, rid, api, max_tokens_param)
         self.active[rid] = stream
         return stream
+
+    async def run_blocking(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """`fn(*args)` on the tokenising threads, so the event loop keeps answering (/health, other streams)."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    async def prepare(self, prompt: PromptSource, params: SamplingParams, max_tokens_param: str | None
+                      ) -> tuple[list[int], SamplingParams]:
+        return await self.run_blocking(self.fit, prompt, params, max_tokens_param)
+
+    def prompt_ids(self, prompt: PromptSource) -> list[int]:
+        """Token ids of a prompt (a worker thread's work for text and chat templates); ValueError if it has none."""
+        if callable(prompt):
+            return prompt()
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: send the prompt as token ids")
+            try:
+                return encode_text(self.tokenizer, prompt)
+            except (TypeError, UnicodeError) as e:  # e.g. an unpaired UTF-16 surrogate from a JSON client
+                raise ValueError(f"the prompt is not valid text: {e}") from e
+        return list(prompt)
+
+    def fit(self, prompt: PromptSource, params: SamplingParams, max_tokens_param: str | None
+            ) -> tuple[list[int], SamplingParams]:
+        """The prompt's ids and the request's SamplingParams checked against the model length (vLLM's rule: a
+        max_tokens the client set that does not fit is a 400, never silently lowered; a default is lowered)."""
+        ids = self.prompt_ids(prompt)
+        n, limit = len(ids), self.engine.max_model_len
+        if not ids:
+            raise RequestError("the prompt is empty")
+        if n >= limit:
+            raise RequestError(f"the prompt has {n} tokens; this server's model length is {limit} (prompt plus "
+                               "at least one generated token)", num_prompt_tokens=n)
+        room = limit - n
+        if max_tokens_param is None:
+            if params.max_tokens > room:
+                params = dataclasses.replace(params, max_tokens=room)
+        elif params.max_tokens > room:
+            raise RequestError(f"`{max_tokens_param}` is too large: {params.max_tokens}. This model's maximum "
+                               f"context length is {limit} tokens and your request has {n} input tokens "
+                               f"({params.max_tokens} > {limit} - {n})", max_tokens_param, n)
+        return ids, params
 
     def _release(self, stream: RequestStream) -> None:
         if self.active.get(stream.request_id) is stream:
             del self.active[stream.request_id]
-            self.metrics.requests.labels(stream.api, stream.finish_reason or "unknown").inc()
+            reason = stream.finish_reason or "unknown"
+            if stream.reached_engine and reason != "invalid":
+                end = stream._last if stream._last is not None else time.monotonic()
+                decode = end - stream._first if stream._first is not None else None
+                self.metrics.finished(stream.api, reason, e2e=end - stream.arrival, decode=decode,
+                                      prompt_tokens=stream.num_prompt_tokens, generated=stream.num_tokens,
+                                      max_tokens=stream.params.max_tokens)
+            else:
+                self.metrics.finished(stream.api, reason)
 
     def encode_chat(self, messages: Any, **template_kwargs: Any) -> list[int]:
-        """Prompt ids of a conversation through the checkpoint's chat template (ValueError for a bad one)."""
-        if self.tokenizer is None:
-            raise ValueError("this model has no tokenizer, so it has no chat template: send token ids")
-        return self.tokenizer.encode_chat(messages, add_generation_prompt=template_kwargs.pop(
-            "add_generation_prompt", True), **template_kwargs)
+        """Prompt ids of a conversation through the checkpoint's chat template (ValueError for a bad one). Run
+        it on a worker thread (`run_blocking`, or hand `functools.partial(core.encode_chat, ...)` to `open`)."""
+        template_kwargs.setdefault("add_generation_prompt", True)
+        return chat_ids(self.tokenizer, messages, **template_kwargs)
 
     def abort(self, request_id: str) -> bool:
         """Abort a request in flight; its stream ends with finish_reason "abort". False if there is none."""
@@ -243,50 +399,241 @@ def device_description(num: int = 1) -> str:
     return f"{num} x {d.device_kind}" if d.platform != "cpu" else f"{num} x cpu"
 
 
-# ---- the command -------------------------------------------------------------------------------------------
+def version() -> str:
+    from m3jax.cli import version as m3jax_version
+
+    return m3jax_version()
+
+
+# ---- logging ----------------------------------------------------------------------------------------------------
+
+# LogRecord's own attributes; anything else on a record came through `extra=` and goes into a JSON line.
+_RECORD_FIELDS = frozenset(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {"message", "asctime"}
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: time, level, logger, message, and the record's `extra` fields (stage, request
+    id, status, tokens/s, ...), for log collectors."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, Any] = {
+            "time": datetime.datetime.fromtimestamp(record.created, datetime.UTC).isoformat(timespec="milliseconds"),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        out.update({k: v for k, v in record.__dict__.items() if k not in _RECORD_FIELDS})
+        if record.exc_info:
+            out["exception"] = self.formatException(record.exc_info)
+        return json.dumps(out, default=str, ensure_ascii=False)
+
+
+def setup_logging(level: str, fmt: str = "text") -> None:
+    """Log lines to stderr, one per event, whether or not it is a terminal (systemd, docker, a file)."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if fmt == "json" else
+                         logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
+
+
+# ---- the command -------------------------------------------------------------------------------------------------
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_settings_arguments(p)
 
 
-class _StartupInterrupted(Exception):
-    pass
+def max_request_body(settings: Settings, max_model_len: int) -> int:
+    """Bytes of the largest HTTP request body: --max-request-body-mb, else room for a prompt of the whole model
+    length (32 bytes a token covers JSON-escaped text and token-id lists) plus 1 MiB for the rest."""
+    if settings.max_request_body_mb is not None:
+        return int(settings.max_request_body_mb * 2**20)
+    return 2**20 + 32 * max_model_len
 
 
-def _interrupt_startup(signum: int, frame: Any) -> None:
-    raise _StartupInterrupted(signal.Signals(signum).name)
+def preflight(settings: Settings) -> None:
+    """What can be checked from the model's config.json alone, before any weight is read: the model exists,
+    and --max-model-len is within its limit."""
+    from m3jax.config import PRESETS
+    from serving.core import model_len
+
+    if settings.model in PRESETS:
+        cfg = PRESETS[settings.model]
+    else:
+        from checkpoints.loader import read_config
+        from m3jax.api import embedded_model_path
+
+        path = Path(settings.model) if settings.model is not None else embedded_model_path()
+        if not path.is_dir():
+            raise FileNotFoundError(f"model {settings.model!r} is neither a checkpoint directory nor a preset "
+                                    f"({', '.join(PRESETS)})")
+        cfg = read_config(path)
+    model_len(settings, cfg.max_position_embeddings)
+
+
+@dataclasses.dataclass
+class Listeners:
+    """Both ports, bound before the model loads so that a port in use (or an address that is not ours) fails
+    in a second, not after minutes of loading. The HTTP socket is bound and not listening (connections are
+    refused, not queued, until the server starts); the gRPC port is held by a probe socket that is closed just
+    before grpc binds it."""
+
+    http: socket.socket | None
+    grpc_probe: socket.socket | None
+
+    @classmethod
+    def bind(cls, s: Settings) -> Listeners:
+        http = _bind(s.host, s.http_port, "HTTP") if s.http_port >= 0 else None
+        try:
+            probe = _bind(s.host, s.grpc_port, "gRPC") if s.grpc_port >= 0 else None
+        except OSError:
+            if http is not None:
+                http.close()
+            raise
+        return cls(http, probe)
+
+    def release_grpc(self) -> None:
+        if self.grpc_probe is not None:
+            self.grpc_probe.close()
+            self.grpc_probe = None
+
+    def close(self) -> None:
+        self.release_grpc()
+        if self.http is not None:
+            self.http.close()
+
+
+def _bind(host: str, port: int, what: str) -> socket.socket:
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        infos = socket.getaddrinfo(host, port, family, socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise OSError(f"{flag('host')} {host!r}: not an address of this machine ({e.strerror})") from None
+    family, _, _, _, address = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRNOTAVAIL:
+            raise OSError(f"{flag('host')} {host!r}: not an address of this machine ({e.strerror})") from None
+        port_flag = flag("grpc_port" if what == "gRPC" else "http_port")
+        raise OSError(f"cannot use {_hostport(host, port)} for the {what} server ({port_flag}): "
+                      f"{e.strerror or e}") from None
+    return sock
+
+
+# The start-up stage, for the line a signal during start-up leaves in the log.
+_stage = "starting"
+
+
+def _set_stage(stage: str, message: str, *args: Any) -> None:
+    global _stage
+    _stage = stage
+    log.info(message, *args, extra={"stage": stage})
+
+
+def _exit_during_startup(signum: int, frame: types.FrameType | None) -> None:
+    """A signal before the servers run: nothing to drain, so leave now, with exit 0 (a deliberate stop). Not an
+    exception: the main thread may be inside library code that catches and swallows exceptions."""
+    log.warning("%s during start-up (%s): exiting", signal.Signals(signum).name, _stage,
+                extra={"stage": "interrupted", "during": _stage})
+    _flush_and_exit()
+
+
+def _flush_and_exit() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(0)
+
+
+def _on_signals(handler: Callable[[int, types.FrameType | None], None]) -> None:
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, handler)
+
+
+def _build_engine(settings: Settings) -> EngineCore:
+    """Load the model and build the engine (compile or load every step shape), logging each stage."""
+    from serving.core import load
+    from serving.runner import token_buckets
+
+    t0 = time.perf_counter()
+    _set_stage("loading", "loading %s", settings.model or "the embedded tiny model")
+    model, tokenizer = load(settings)
+    _set_stage("loaded", "model loaded in %.1fs: %.1fM parameters, %s, %d device(s)", time.perf_counter() - t0,
+               model.cfg.param_count() / 1e6, settings.compute_dtype(), settings.tensor_parallel_size)
+    t1 = time.perf_counter()
+    if settings.warmup:
+        buckets = token_buckets(settings.max_num_batched_tokens)
+        _set_stage("compiling", "compiling %d step shapes (%s tokens), or loading them from %s",
+                   len(buckets), ", ".join(map(str, buckets)),
+                   settings.compilation_cache_dir if settings.enable_compilation_cache else "nowhere (cache off)")
+    else:
+        _set_stage("compiling", "building the engine (--no-warmup: step shapes compile on first use)")
+    engine = EngineCore(settings, model, tokenizer)
+    _set_stage("engine_ready", "engine ready in %.1fs: %d step executables in %.1fs, %d KV pages of %d tokens, "
+               "model length %d", time.perf_counter() - t1, engine.num_executables, engine.warmup_seconds,
+               engine.num_pages, model.page_size, engine.max_model_len)
+    return engine
+
+
+def _start_engine(settings: Settings) -> EngineCore:
+    """`_build_engine` on a worker thread; the main thread only waits, in short slices, so a signal handler
+    runs at once even while the worker is inside a long load or compile."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["engine"] = _build_engine(settings)
+        except BaseException as e:  # noqa: BLE001 - handed to the main thread, which raises it
+            box["error"] = e
+
+    worker = threading.Thread(target=run, name="m3jax-startup", daemon=True)
+    worker.start()
+    while worker.is_alive():
+        worker.join(0.1)
+    if "error" in box:
+        raise box["error"]
+    return box["engine"]
 
 
 def serve(args: argparse.Namespace) -> int:
-    settings = Settings.from_args(args)
-    logging.basicConfig(level=settings.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # Until the loop owns the signals, a SIGTERM during the (long) start-up still means a clean exit 0.
-    old = {s: signal.signal(s, _interrupt_startup) for s in (signal.SIGINT, signal.SIGTERM)}
+    settings = Settings.from_args(args)  # every flag checked (ValueError names it)
+    preflight(settings)
     try:
-        t0 = time.perf_counter()
-        engine = EngineCore(settings)
-        log.info("engine ready in %.1fs (%d KV pages, model length %d, %d step executables)",
-                 time.perf_counter() - t0, engine.num_pages, engine.max_model_len, engine.num_executables)
-    except _StartupInterrupted as e:
-        print(f"[m3jax] interrupted by {e} during start-up", file=sys.stderr)
-        return 0
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
+        listeners = Listeners.bind(settings)
+    except OSError as e:  # a port in use, an address that is not ours: say so, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    setup_logging(settings.log_level, settings.log_format)
+    # From here until the event loop takes them over, a signal ends the process at once, with exit 0.
+    _on_signals(_exit_during_startup)
+    try:
+        engine = _start_engine(settings)
+    except BaseException:
+        listeners.close()
+        raise
     name = settings.served_model_name or (settings.model if settings.model is not None else "m3jax/tiny")
     core = ServingCore(engine, AsyncEngine(engine), name, settings.model or "embedded", settings.max_queue,
                        settings.api_key)
     try:
-        asyncio.run(_serve_async(core, settings))
-    except OSError as e:  # a port in use, an address that is not ours: say so, no traceback
+        asyncio.run(_serve_async(core, settings, listeners))
+    except OSError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    finally:
+        listeners.close()
+        core.executor.shutdown(wait=False, cancel_futures=True)
+        # The loop has handed the signals back: one during the rest of the teardown just ends the process.
+        _on_signals(lambda signum, frame: _flush_and_exit())
     return 0
 
 
-async def _serve_async(core: ServingCore, args: Settings) -> None:
+async def _serve_async(core: ServingCore, args: Settings, listeners: Listeners | None = None) -> None:
     from serving.grpc_server import GrpcServer
     from serving.http_server import HttpServer
 
@@ -299,30 +646,46 @@ async def _serve_async(core: ServingCore, args: Settings) -> None:
         signals += 1
         if signals == 1:
             log.info("%s: shutting down (in-flight requests get %.0fs to finish; signal again to abort them)",
-                     sig.name, args.shutdown_timeout)
+                     sig.name, args.shutdown_timeout, extra={"stage": "draining"})
             stop.set()
-        else:
-            log.info("%s again: aborting %d in-flight requests", sig.name, len(core.active))
+        elif signals == 2:
+            log.info("%s again: aborting %d in-flight requests (a third signal exits at once)", sig.name,
+                     len(core.active), extra={"stage": "aborting"})
             core.abort_all()
+        else:
+            log.warning("%s a third time: exiting now", sig.name, extra={"stage": "exit"})
+            _flush_and_exit()
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal, sig)
 
+    _set_stage("starting_servers", "starting the servers")
     grpc_server = GrpcServer(core) if args.grpc_port >= 0 else None
-    http_server = HttpServer(core, shutdown_timeout=args.shutdown_timeout) if args.http_port >= 0 else None
+    max_body = max_request_body(args, core.engine.max_model_len)
+    http_server = (HttpServer(core, shutdown_timeout=args.shutdown_timeout, max_body_bytes=max_body)
+                   if args.http_port >= 0 else None)
     parts = []
+    stats_task: asyncio.Task[None] | None = None
     try:
         if grpc_server is not None:
+            if listeners is not None:
+                listeners.release_grpc()
             port = await grpc_server.start(args.host, args.grpc_port)
             parts.append(f"grpc={_hostport(args.host, port)}")
         if http_server is not None:
-            port = await http_server.start(args.host, args.http_port)
+            sock = listeners.http if listeners is not None else None
+            port = await http_server.start(args.host, args.http_port, sock)
             parts.append(f"http=http://{_hostport(args.host, port)}")
+        if args.throughput_log_interval > 0:
+            stats_task = asyncio.create_task(_log_throughput(core, args.throughput_log_interval))
         # One line that scripts and tests wait for: the real ports (port 0 asks for any free one).
         print(f"[m3jax] ready: {' '.join(parts)} model={core.model_name}", flush=True)
+        _set_stage("ready", "ready: %s model=%s", " ".join(parts), core.model_name)
         await stop.wait()
     finally:
         core.draining = True
+        if stats_task is not None:
+            stats_task.cancel()
         # Stop accepting on both servers at once; each lets its in-flight calls run for the grace period and
         # then cancels them, which aborts their engine requests (RequestStream.__aexit__).
         stops = []
@@ -337,8 +700,44 @@ async def _serve_async(core: ServingCore, args: Settings) -> None:
         with contextlib.suppress(Exception):
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
-        log.info("shut down cleanly")
+        log.info("shut down cleanly", extra={"stage": "stopped"})
+
+
+async def _log_throughput(core: ServingCore, interval: float) -> None:
+    """vLLM's periodic line: prompt and generation tokens/s over the last interval, running and waiting
+    requests, KV cache use, prefix cache hit rate. At INFO while there is work (and once more when it stops),
+    at DEBUG while idle."""
+    e, m = core.engine, core.metrics
+    t0, p0, g0 = time.monotonic(), m.prompt_tokens_count, m.generation_tokens_count
+    q0, h0 = e.prefix_cache_queries, e.prefix_cache_hits
+    was_busy = False
+    while True:
+        await asyncio.sleep(interval)
+        t1, p1, g1 = time.monotonic(), m.prompt_tokens_count, m.generation_tokens_count
+        q1, h1 = e.prefix_cache_queries, e.prefix_cache_hits
+        dt = max(t1 - t0, 1e-9)
+        running, waiting = e.num_running, e.num_waiting
+        busy = bool(p1 - p0 or g1 - g0 or running or waiting)
+        fields = {
+            "prompt_throughput": round((p1 - p0) / dt, 1), "generation_throughput": round((g1 - g0) / dt, 1),
+            "running": running, "waiting": waiting,
+            "kv_cache_usage": round(100 * e.pages_in_use / max(e.num_pages, 1), 1),
+            "prefix_cache_hit_rate": round(100 * (h1 - h0) / (q1 - q0), 1) if q1 > q0 else 0.0,
+        }
+        stats_log.log(logging.INFO if busy or was_busy else logging.DEBUG,
+                      "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, Running: %d "
+                      "reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%",
+                      *fields.values(), extra=fields)
+        t0, p0, g0, q0, h0, was_busy = t1, p1, g1, q1, h1, busy
 
 
 def _hostport(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def request_log_fields(stream: RequestStream | None) -> Mapping[str, Any]:
+    """The per-request part of an access log line."""
+    if stream is None:
+        return {}
+    return {"request_id": stream.request_id, "prompt_tokens": stream.num_prompt_tokens,
+            "completion_tokens": stream.num_tokens, "finish_reason": stream.finish_reason}

@@ -39,19 +39,41 @@ def model_args(base_temp: Path) -> list[str]:
     return ["--model", str(path)]
 
 
+def serve_command(extra_args: list[str], ports: tuple[str, str] = ("0", "0")) -> list[str]:
+    return [sys.executable, "-m", "m3jax", "serve", "--grpc-port", ports[0], "--http-port", ports[1], *ENGINE_ARGS,
+            *extra_args]
+
+
+def serve_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    full_env = {**os.environ, **(env or {})}
+    full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), full_env.get("PYTHONPATH")]))
+    full_env.setdefault("JAX_PLATFORMS", "cpu")
+    full_env.setdefault("M3JAX_NO_PROGRESS", "1")
+    full_env.setdefault("M3JAX_COMPILATION_CACHE", str(Path(tempfile.gettempdir()) / "m3jax-test-xla-cache"))
+    return full_env
+
+
+def wait_for_log(proc: subprocess.Popen, log_path: Path, pattern: str, timeout: float = START_TIMEOUT) -> str:
+    """Poll the log file until a line matches `pattern` (a regex); returns that line. RuntimeError if the process
+    ends or the time runs out first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for line in log_path.read_text().splitlines():
+            if re.search(pattern, line):
+                return line
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited ({proc.returncode}) before {pattern!r}:\n{log_path.read_text()}")
+        time.sleep(0.005)
+    raise RuntimeError(f"no {pattern!r} in the server log within {timeout}s:\n{log_path.read_text()[-4000:]}")
+
+
 class ServerProcess:
     def __init__(self, extra_args: list[str], log_path: Path, env: dict[str, str] | None = None):
-        cmd = [sys.executable, "-m", "m3jax", "serve", "--grpc-port", "0", "--http-port", "0", *ENGINE_ARGS,
-               *extra_args]
-        full_env = {**os.environ, **(env or {})}
-        full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), full_env.get("PYTHONPATH")]))
-        full_env.setdefault("JAX_PLATFORMS", "cpu")
-        full_env.setdefault("M3JAX_NO_PROGRESS", "1")
-        full_env.setdefault("M3JAX_COMPILATION_CACHE", str(Path(tempfile.gettempdir()) / "m3jax-test-xla-cache"))
         self.log_path = log_path
+        # stdout is a pipe and stderr a file: neither is a terminal, as under systemd or docker.
         self._log = open(log_path, "w")  # noqa: SIM115 - lives as long as the process
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=self._log,
-                                     text=True)
+        self.proc = subprocess.Popen(serve_command(extra_args), cwd=REPO, env=serve_env(env), stdout=subprocess.PIPE,
+                                     stderr=self._log, text=True)
         self._lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._read_stdout, daemon=True).start()
         self.grpc_port, self.http_port, self.model = self._wait_ready()

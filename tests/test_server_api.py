@@ -3,7 +3,11 @@
 serving. One `m3jax serve` subprocess for the module."""
 
 import asyncio
+import http.client
 import json
+import re
+import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -12,9 +16,10 @@ import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
 from serving_helpers import ServerProcess, model_args, scrape, wait_idle
 
-from serving.http_server import APIError, completion_prompt, parse_body, sampling_params
+from serving.http_server import UNSUPPORTED, APIError, check_fields, completion_prompt, parse_body, sampling_params
 from serving.proto import m3jax_pb2 as pb
 from serving.proto import m3jax_pb2_grpc as pb_grpc
 
@@ -22,7 +27,8 @@ from serving.proto import m3jax_pb2_grpc as pb_grpc
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     base = tmp_path_factory.getbasetemp()
-    srv = ServerProcess(model_args(base), tmp_path_factory.mktemp("api") / "server.log")
+    srv = ServerProcess([*model_args(base), "--throughput-log-interval", "1"],
+                        tmp_path_factory.mktemp("api") / "server.log")
     yield srv
     assert srv.stop() == 0, srv.log_tail()
 
@@ -91,6 +97,56 @@ def test_openai_fields_map_to_sampling_params():
             parse_body(bad)
     with pytest.raises(APIError, match="batch of 2"):
         completion_prompt(["a", "b"])
+
+
+def test_unsupported_and_unknown_fields_are_refused_by_name():
+    """Every UNSUPPORTED field set to something is a 400 naming it; at its neutral value (or null) it passes;
+    OpenAI's bookkeeping fields pass; an unknown field is a 400 naming it."""
+    asked = {"n": 2, "best_of": 3, "echo": True, "suffix": "x", "logit_bias": {"5": 1}, "tools": [{"type": "x"}],
+             "tool_choice": "auto", "functions": [{}], "function_call": "auto",
+             "response_format": {"type": "json_object"}, "structured_outputs": {"json": {}}, "guided_json": {},
+             "guided_regex": "a", "guided_choice": ["a"], "guided_grammar": "g", "reasoning_effort": "high",
+             "include_stop_str_in_output": True, "min_tokens": 3, "prompt_logprobs": 1, "allowed_token_ids": [1],
+             "bad_words": ["x"], "use_beam_search": True, "truncate_prompt_tokens": 5,
+             "continue_final_message": True, "chat_template": "{{ x }}", "documents": [{}],
+             "modalities": ["audio"], "audio": {}, "prediction": {}, "web_search_options": {}}
+    assert set(asked) == set(UNSUPPORTED), "every unsupported field has a case here"
+    for name, value in asked.items():
+        with pytest.raises(APIError) as e:
+            sampling_params({name: value}, chat=True, max_model_len=256)
+        assert e.value.param == name and e.value.status == 400 and name in e.value.message, name
+    neutral = {"n": 1, "best_of": 1, "echo": False, "suffix": "", "logit_bias": {}, "tools": [], "tool_choice": "none",
+               "response_format": {"type": "text"}, "min_tokens": 0, "guided_json": None, "user": "u",
+               "metadata": {"a": "b"}, "parallel_tool_calls": False}
+    sampling_params(neutral, chat=True, max_model_len=256)
+    with pytest.raises(APIError, match="unknown field `max_token`") as e:
+        sampling_params({"max_token": 5}, chat=False, max_model_len=256)
+    assert e.value.param == "max_token"
+    with pytest.raises(APIError, match="unknown field `messages`"):
+        check_fields({"messages": []}, frozenset({"prompt"}))
+    # max_tokens as set by the client is remembered by name (the model-length check names it); unset: a default.
+    assert sampling_params({"max_tokens": 5}, chat=False, max_model_len=256)[1].max_tokens_param == "max_tokens"
+    assert sampling_params({"max_completion_tokens": 5}, chat=True,
+                           max_model_len=256)[1].max_tokens_param == "max_completion_tokens"
+    p, opts = sampling_params({}, chat=False, max_model_len=256)
+    assert (p.max_tokens, opts.max_tokens_param) == (16, None)
+
+
+def test_off_loop_tokenisation_equals_the_tokenizer():
+    """The server's GIL-releasing tokenisation is exactly M3Tokenizer.encode / encode_chat."""
+    from m3jax.api import embedded_model_path
+    from serving.server import chat_ids, encode_text
+    from serving.tokenizer import M3Tokenizer
+
+    if not (embedded_model_path() / "tokenizer.json").is_file():
+        pytest.skip("no embedded tokenizer")
+    tok = M3Tokenizer.from_dir(embedded_model_path())
+    for text in ("def fibonacci(n):\n    return n", "ünïcödé 漢字 \U0001f600", "", "]~b]user\nhi[e~[\n" * 3):
+        assert encode_text(tok, text) == tok.encode(text), text
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
+    for gen in (True, False):
+        assert chat_ids(tok, messages, add_generation_prompt=gen) == tok.encode_chat(messages,
+                                                                                     add_generation_prompt=gen)
 
 
 # ---- gRPC ---------------------------------------------------------------------------------------------------
@@ -173,6 +229,9 @@ def test_grpc_invalid_arguments_and_server_keeps_serving(server, info):
         (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, info.vocab_size + 5])), "vocabulary"),
         (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[])), "empty"),
         (pb.GenerateRequest(token_ids=pb.TokenIds(ids=long_prompt)), "model length"),
+        (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2]), sampling=pb.SamplingParams(max_tokens=255)),
+         "`max_tokens` is too large: 255. This model's maximum context length is 256 tokens and your request "
+         "has 2 input tokens"),
         (pb.GenerateRequest(chat=pb.Chat(messages=[pb.ChatMessage(role="wizard", content="x")])), "role"),
         (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1]), sampling=pb.SamplingParams(logprobs=1000)), "logprobs"),
     ]
@@ -185,12 +244,16 @@ def test_grpc_invalid_arguments_and_server_keeps_serving(server, info):
             got.append((e.value.code(), e.value.details()))
         ok = await _collect(stub, pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2, 3]),
                                                      sampling=pb.SamplingParams(max_tokens=2, ignore_eos=True)))
-        return got, ok
+        # max_tokens unset: a default (16), lowered to the room a long prompt leaves, not refused.
+        room = await _collect(stub, pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5] * 250),
+                                                       sampling=pb.SamplingParams(ignore_eos=True)))
+        return got, ok, room
 
-    got, ok = _grpc(server, run)
+    got, ok, room = _grpc(server, run)
     for (code, details), (_, needle) in zip(got, cases, strict=True):
         assert code == grpc.StatusCode.INVALID_ARGUMENT and needle in details, (code, details)
     assert ok[-1].usage.completion_tokens == 2
+    assert room[-1].usage.completion_tokens == 6 and room[-1].finish_reason == pb.FINISH_REASON_LENGTH
 
 
 def test_grpc_abort_rpc_ends_the_stream(server):
@@ -311,6 +374,12 @@ def test_http_malformed_requests_get_clear_errors(server):
         (body(prompt=[[1], [2]]), 400, "prompt", "batch of 2"),
         (body(prompt=[1, 2], logprobs=100), 400, "logprobs", "logprobs"),
         (body(prompt=[1, 2], stream="yes"), 400, "stream", "boolean"),
+        # Nothing asked for is silently changed: a max_tokens that does not fit, fields this server lacks.
+        (body(prompt=[1, 2], max_tokens=255), 400, "max_tokens", "is too large: 255"),
+        (body(prompt=[1, 2], tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools", "tool calling"),
+        (body(prompt=[1, 2], logit_bias={"5": 10}), 400, "logit_bias", "not supported"),
+        (body(prompt=[1, 2], response_format={"type": "json_object"}), 400, "response_format", "JSON mode"),
+        (body(prompt=[1, 2], max_tokens=2, frobnicate=1), 400, "frobnicate", "unknown field"),
     ]
     for data, status, param, needle in cases:
         got_status, got = _post(server, "/v1/completions", data)
@@ -324,10 +393,17 @@ def test_http_malformed_requests_get_clear_errors(server):
         (body(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
          "only text parts"),
         (body(messages=[{"role": "user", "content": "x"}], top_logprobs=2), "logprobs"),
+        (body(messages=[{"role": "user", "content": "x"}], max_completion_tokens=1000),
+         "`max_completion_tokens` is too large: 1000"),
+        (body(messages=[{"role": "user", "content": "x"}], tool_choice="required"), "tool_choice"),
     ]
     for data, needle in chat_cases:
         got_status, got = _post(server, "/v1/chat/completions", data)
         assert got_status == 400 and needle in got["error"]["message"], got
+    # Neutral values of unsupported fields, and OpenAI's bookkeeping fields, pass.
+    status, ok = _post(server, "/v1/completions", body(prompt=[1, 2, 3], max_tokens=2, n=1, tools=[], logit_bias={},
+                                                       echo=False, user="someone", ignore_eos=True))
+    assert status == 200 and ok["usage"]["completion_tokens"] == 2
     # openai raises its typed errors for them.
     with pytest.raises(openai.BadRequestError):
         _client(server).completions.create(model=server.model, prompt=[1, 2], max_tokens=-1)
@@ -336,4 +412,156 @@ def test_http_malformed_requests_get_clear_errors(server):
     # ... and the server keeps serving.
     status, ok = _post(server, "/v1/completions", body(prompt=[1, 2, 3], max_tokens=3, ignore_eos=True))
     assert status == 200 and ok["usage"]["completion_tokens"] == 3
-    assert wait_idle(server.http_url)["m3jax_requests_in_flight"] == 0
+    m = wait_idle(server.http_url)
+    assert m["m3jax_requests_in_flight"] == 0
+    # Bad requests count as `invalid`; back-pressure (requests_rejected) is another thing and did not happen.
+    assert m['m3jax_requests_total{api="http",finish_reason="invalid"}'] >= 3
+    assert m["m3jax_requests_rejected_total"] == 0
+
+
+def test_max_tokens_defaults_fill_the_room_the_prompt_leaves(server, info):
+    """Unset max_tokens is not a refusal: chat generates up to the model length (vLLM's default), completions up
+    to 16 or the room left."""
+    client = _client(server)
+    if info.has_tokenizer:
+        chat = client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": "hi"}],
+                                              temperature=0, extra_body={"ignore_eos": True})
+        assert chat.choices[0].finish_reason == "length"
+        assert chat.usage.prompt_tokens + chat.usage.completion_tokens == info.max_model_len
+    long = client.completions.create(model=server.model, prompt=[5] * 250, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    assert long.usage.completion_tokens == 6 and long.choices[0].finish_reason == "length"
+
+
+def test_tokenize_detokenize_version_and_model_card(server, info):
+    status, card = _get_json(server, "/v1/models/" + server.model)
+    assert status == 200 and card["id"] == server.model and card["max_model_len"] == info.max_model_len
+    status, missing = _get_json(server, "/v1/models/no-such-model")
+    assert status == 404 and missing["error"]["code"] == "model_not_found"
+    status, v = _get_json(server, "/version")
+    assert status == 200 and re.fullmatch(r"\d+\.\d+.*", v["version"])
+    if not info.has_tokenizer:
+        assert _post(server, "/tokenize", json.dumps({"prompt": "x"}).encode())[0] == 400
+        return
+    status, tok = _post(server, "/tokenize", json.dumps({"model": server.model, "prompt": "def fibonacci(n):",
+                                                         "return_token_strs": True}).encode())
+    assert status == 200 and tok["count"] == len(tok["tokens"]) == len(tok["token_strs"]) > 0
+    assert tok["max_model_len"] == info.max_model_len
+    status, detok = _post(server, "/detokenize", json.dumps({"tokens": tok["tokens"]}).encode())
+    assert status == 200 and detok == {"prompt": "def fibonacci(n):"}
+    # The chat form gives exactly the ids a chat completion feeds the model.
+    messages = [{"role": "user", "content": "hello"}]
+    status, chat_tok = _post(server, "/tokenize", json.dumps({"messages": messages}).encode())
+    full = _client(server).chat.completions.create(model=server.model, messages=messages, max_tokens=1,
+                                                   extra_body={"return_token_ids": True})
+    assert status == 200 and chat_tok["tokens"] == full.choices[0].prompt_token_ids
+    for path, bad, param in (("/tokenize", {"prompt": "x", "tools": [{}]}, "tools"),
+                             ("/tokenize", {}, "prompt"),
+                             ("/detokenize", {"tokens": [info.vocab_size]}, "tokens"),
+                             ("/detokenize", {"tokens": "abc"}, "tokens")):
+        status, err = _post(server, path, json.dumps(bad).encode())
+        assert status == 400 and err["error"]["param"] == param, (path, bad, err)
+
+
+def _get_json(server, path):
+    try:
+        with urllib.request.urlopen(server.http_url + path, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_vllm_metric_names_parse_with_prometheus_client(server):
+    """vLLM's names and labels (what its Grafana dashboards read), beside m3jax's own."""
+    _post(server, "/v1/completions", json.dumps({"prompt": [1, 2, 3], "max_tokens": 3, "ignore_eos": True}).encode())
+    wait_idle(server.http_url)
+    with urllib.request.urlopen(server.http_url + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    want = {"vllm:num_requests_running": "gauge", "vllm:num_requests_waiting": "gauge",
+            "vllm:kv_cache_usage_perc": "gauge", "vllm:time_to_first_token_seconds": "histogram",
+            "vllm:time_per_output_token_seconds": "histogram", "vllm:inter_token_latency_seconds": "histogram",
+            "vllm:request_time_per_output_token_seconds": "histogram", "vllm:e2e_request_latency_seconds": "histogram",
+            "vllm:request_prompt_tokens": "histogram", "vllm:request_generation_tokens": "histogram",
+            "vllm:prompt_tokens": "counter", "vllm:generation_tokens": "counter", "vllm:request_success": "counter",
+            "vllm:prefix_cache_queries": "counter", "vllm:prefix_cache_hits": "counter",
+            "vllm:num_preemptions": "counter"}
+    for name, kind in want.items():
+        assert name in families and families[name].type == kind, name
+        assert all(s.labels["model_name"] == server.model for s in families[name].samples), name
+
+    def value(name, suffix="", **labels):
+        return sum(s.value for s in families[name].samples
+                   if s.name == name + suffix and all(s.labels.get(k) == v for k, v in labels.items()))
+
+    assert value("vllm:generation_tokens", "_total") == value("m3jax_generation_tokens", "_total") > 0
+    assert value("vllm:time_to_first_token_seconds", "_count") == value("m3jax_time_to_first_token_seconds", "_count")
+    assert value("vllm:request_success", "_total", finished_reason="length") > 0
+    assert {s.labels["finished_reason"] for s in families["vllm:request_success"].samples} >= {
+        "stop", "length", "abort", "error"}
+
+
+def test_health_stays_fast_while_huge_prompts_are_refused(server, info):
+    """A 20 MB body is refused (413) from its Content-Length; a prompt just under the body limit is tokenised on
+    a worker thread with the GIL released and refused (400: far over the model length). Meanwhile /health,
+    polled every 10 ms over one keep-alive connection, answers within 100 ms every time."""
+    limit = 2**20 + 32 * info.max_model_len  # the default --max-request-body-mb for this model length
+    huge = json.dumps({"prompt": "def f(x): return x " * 1_100_000}).encode()
+    near = json.dumps({"prompt": ("def f(x): return x " * 100_000)[:limit - 100]}).encode()
+    assert len(huge) > 20e6 and limit - 200 < len(near) <= limit
+
+    latencies: list[float] = []
+    stop = threading.Event()
+    host, port = server.http_url.removeprefix("http://").split(":")
+
+    def probe():
+        conn = http.client.HTTPConnection(host, int(port), timeout=10)
+        while not stop.is_set():
+            t = time.monotonic()
+            conn.request("GET", "/health")
+            resp = conn.getresponse()
+            resp.read()
+            latencies.append(time.monotonic() - t)
+            assert resp.status == 200
+            time.sleep(0.01)
+        conn.close()
+
+    thread = threading.Thread(target=probe)
+    thread.start()
+    try:
+        time.sleep(0.2)
+        t0 = time.monotonic()
+        too_large = _post(server, "/v1/completions", huge)
+        t1 = time.monotonic()
+        too_long = _post(server, "/v1/completions", near)
+        t2 = time.monotonic()
+        time.sleep(0.2)
+    finally:
+        stop.set()
+        thread.join()
+    assert too_large[0] == 413 and too_large[1]["error"]["code"] == "request_too_large", too_large
+    assert too_long[0] == 400 and "model length" in too_long[1]["error"]["message"], too_long
+    assert t1 - t0 < 10 and t2 - t1 < 10
+    assert len(latencies) > 10 and max(latencies) < 0.1, sorted(latencies)[-5:]
+
+
+def test_log_lines_when_output_is_not_a_terminal(server):
+    """The fixture's stdout is a pipe and its stderr a file: start-up stages, an access line per request and the
+    periodic throughput line (--throughput-log-interval 1) are all there."""
+    status, _ = _post(server, "/v1/completions", json.dumps({"prompt": [1, 2, 3], "max_tokens": 2,
+                                                              "ignore_eos": True}).encode())
+    assert status == 200
+    deadline = time.monotonic() + 10
+    while "Avg generation throughput: " not in server.log_tail(10**7) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    log = server.log_tail(10**7)
+    for stage in ("INFO m3jax.serve: loading ", "INFO m3jax.serve: model loaded in ",
+                  "INFO m3jax.serve: compiling 4 step shapes (8, 16, 32, 64 tokens)",
+                  "INFO m3jax.serve: engine ready in ", "INFO m3jax.serve: ready: grpc="):
+        assert stage in log, stage
+    assert re.search(r'INFO m3jax.access: 127\.0\.0\.1 "POST /v1/completions" 200 [\d.]+s prompt_tokens=3 '
+                     r"completion_tokens=2 finish_reason=length request_id=cmpl-", log)
+    assert re.search(r"INFO m3jax.access: \S+ gRPC Generate OK [\d.]+s prompt_tokens=\d+", log)
+    assert re.search(r"INFO m3jax.stats: Avg prompt throughput: [\d.]+ tokens/s, Avg generation throughput: [\d.]+ "
+                     r"tokens/s, Running: \d+ reqs, Waiting: \d+ reqs, KV cache usage: [\d.]+%, Prefix cache hit "
+                     r"rate: [\d.]+%", log)

@@ -1,22 +1,28 @@
 """A server with an API key and a tiny admission limit (--max-queue 2): authentication, back-pressure (429 /
-RESOURCE_EXHAUSTED at once, never a hang), `m3jax bench serve` against it, and graceful shutdown on SIGTERM
-(in-flight requests finish, exit code 0). One `m3jax serve` subprocess for the module; the last test stops it."""
+RESOURCE_EXHAUSTED at once, with Retry-After, never a hang), `m3jax bench serve` against it, JSON logs, and
+graceful shutdown on SIGTERM (in-flight requests finish, exit code 0). One `m3jax serve` subprocess for the module;
+the last test stops it. Besides it, short-lived servers: a signal at each moment of start-up (loading weights,
+compiling, just before ready) ends the process with exit 0 within 5 s, and a port in use fails before the model
+loads."""
 
 import asyncio
 import json
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import aiohttp
 import grpc
 import openai
 import pytest
-from serving_helpers import REPO, ServerProcess, model_args, wait_idle
+from serving_helpers import REPO, ServerProcess, model_args, serve_command, serve_env, wait_for_log, wait_idle
 
 from serving.bench import RequestResult, compute_metrics, make_workload
 from serving.proto import m3jax_pb2 as pb
@@ -25,12 +31,12 @@ from serving.proto import m3jax_pb2_grpc as pb_grpc
 KEY = "test-key-123"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 GRPC_AUTH = (("authorization", f"Bearer {KEY}"),)
-LONG = {"max_tokens": 255, "temperature": 0, "ignore_eos": True}
+LONG = {"max_tokens": 253, "temperature": 0, "ignore_eos": True}  # 3-token prompts fill the 256-token model
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    srv = ServerProcess([*model_args(tmp_path_factory.getbasetemp()), "--max-queue", "2"],
+    srv = ServerProcess([*model_args(tmp_path_factory.getbasetemp()), "--max-queue", "2", "--log-format", "json"],
                         tmp_path_factory.mktemp("lifecycle") / "server.log", env={"M3JAX_API_KEY": KEY})
     yield srv
     srv.kill()
@@ -96,7 +102,7 @@ def test_overload_is_refused_at_once(server):
             t0 = time.monotonic()
             refused = await session.post(server.http_url + "/v1/chat/completions",
                                          json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
-            http_status, http_body = refused.status, await refused.json()
+            http_status, http_body, retry_after = refused.status, await refused.json(), refused.headers
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 async for _ in stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1])),
                                              metadata=GRPC_AUTH):
@@ -104,14 +110,17 @@ def test_overload_is_refused_at_once(server):
             elapsed = time.monotonic() - t0
             held.cancel()
             resp.close()
-            return http_status, http_body, e.value.code(), elapsed
+            return http_status, http_body, retry_after.get("Retry-After"), e.value, elapsed
 
-    http_status, http_body, code, elapsed = asyncio.run(run())
-    assert http_status == 429 and "limit of 2" in http_body["error"]["message"]
-    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    http_status, http_body, retry_after, error, elapsed = asyncio.run(run())
+    assert http_status == 429 and "limit of 2" in http_body["error"]["message"] and retry_after == "1"
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert ("grpc-retry-pushback-ms", "1000") in tuple(error.trailing_metadata())
     assert elapsed < 5.0, "a refusal must be immediate"
     m = wait_idle(server.http_url)
     assert m["m3jax_kv_pages_in_use"] == 0 and m["m3jax_requests_rejected_total"] >= 2
+    # Back-pressure refusals were never admitted: no finish reason of an admitted request counts them.
+    assert not [k for k in m if k.startswith("m3jax_requests_total{") and "rejected" in k]
     # The slots are free again.
     status, ok = _status(server.http_url + "/v1/completions", AUTH,
                          json.dumps({"prompt": [1, 2], "max_tokens": 2, "ignore_eos": True}).encode())
@@ -139,6 +148,91 @@ def test_bench_serve_writes_results_and_plot(server, tmp_path):
         assert m["median_ttft_ms"] > 0 and m["median_tpot_ms"] > 0 and m["p99_itl_ms"] > 0
         assert m["interactivity"] == pytest.approx(1000 / m["median_tpot_ms"])
     assert (out / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_json_log_lines(server):
+    """--log-format json: one object per line, with the start-up stages and per-request access fields."""
+    status, _ = _status(server.http_url + "/v1/completions", AUTH,
+                        json.dumps({"prompt": [1, 2], "max_tokens": 2, "ignore_eos": True}).encode())
+    assert status == 200
+    lines = [json.loads(line) for line in server.log_tail(10**7).splitlines() if line.startswith("{")]
+    assert all({"time", "level", "logger", "message"} <= set(line) for line in lines)
+    assert [s for s in ("loading", "loaded", "compiling", "engine_ready", "ready")
+            if s not in {line.get("stage") for line in lines}] == []
+    access = [line for line in lines if line["logger"] == "m3jax.access" and line.get("path") == "/v1/completions"]
+    assert access[-1]["status"] == 200 and access[-1]["method"] == "POST" and access[-1]["latency"] > 0
+    assert (access[-1]["prompt_tokens"], access[-1]["completion_tokens"]) == (2, 2)
+    assert access[-1]["request_id"].startswith("cmpl-") and access[-1]["finish_reason"] == "length"
+
+
+# ---- start-up: signals at every moment, ports checked first ----------------------------------------------------
+
+
+def _fifo_checkpoint(base, tmp_path):
+    """The test model's checkpoint with its weights file replaced by a named pipe: loading blocks reading it,
+    as on a slow network filesystem, until the process ends."""
+    from m3jax.api import embedded_model_path
+
+    source = model_args(base)
+    src = Path(source[1]) if source else embedded_model_path()
+    dst = tmp_path / "slow-checkpoint"
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.suffix == ".safetensors":
+            os.mkfifo(dst / f.name)
+        elif f.is_file():
+            shutil.copy(f, dst / f.name)
+    return ["--model", str(dst)]
+
+
+@pytest.mark.parametrize("moment", ["loading", "compiling", "just before ready"])
+def test_a_signal_during_start_up_exits_0_within_5s(moment, tmp_path, tmp_path_factory):
+    args, sig, pattern = {
+        # Weights that never arrive: the signal lands while loading blocks in a read.
+        "loading": (_fifo_checkpoint(tmp_path_factory.getbasetemp(), tmp_path), signal.SIGTERM,
+                    r"m3jax.serve: loading "),
+        # An empty compilation cache: every step shape is compiled (seconds each), Ctrl-C lands in one.
+        "compiling": ([*model_args(tmp_path_factory.getbasetemp()), "--compilation-cache-dir",
+                       str(tmp_path / "cold")], signal.SIGINT, r"m3jax.serve: compiling "),
+        # The engine is built (its steps from the shared cache) and the servers are about to start.
+        "just before ready": (model_args(tmp_path_factory.getbasetemp()), signal.SIGTERM,
+                              r"m3jax.serve: engine ready in "),
+    }[moment]
+    log_path = tmp_path / "server.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(serve_command(args), cwd=REPO, env=serve_env(), stdout=subprocess.DEVNULL,
+                                stderr=log)
+        try:
+            wait_for_log(proc, log_path, pattern)
+            t0 = time.monotonic()
+            proc.send_signal(sig)
+            rc = proc.wait(30)
+            elapsed = time.monotonic() - t0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    text = log_path.read_text()
+    assert rc == 0 and elapsed < 5.0, (rc, elapsed, text[-3000:])
+    if moment == "just before ready":
+        assert "during start-up (" in text or "shut down cleanly" in text, text[-3000:]
+    else:
+        assert f"{signal.Signals(sig).name} during start-up ({moment}): exiting" in text, text[-3000:]
+        assert "engine ready" not in text
+
+
+def test_a_port_in_use_fails_before_the_model_loads(tmp_path_factory):
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = busy.getsockname()[1]
+        t0 = time.monotonic()
+        proc = subprocess.run(serve_command(model_args(tmp_path_factory.getbasetemp()), ("0", str(port))),
+                              cwd=REPO, env=serve_env(), capture_output=True, text=True, timeout=120)
+        elapsed = time.monotonic() - t0
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1, proc.stderr
+    assert lines[-1] == f"error: cannot use 127.0.0.1:{port} for the HTTP server (--http-port): Address already in use"
+    assert "loading" not in proc.stderr and "ready" not in proc.stdout
+    assert elapsed < 60
 
 
 def test_sigterm_finishes_in_flight_requests_and_exits_0(server):

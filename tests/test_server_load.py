@@ -102,11 +102,12 @@ def test_100_clients_that_vanish_mid_stream_leave_nothing_behind(server, info):
     reqs = _requests(info, 100, seed=1)
     before = _cancelled(scrape(server.http_url))
     # Long enough (ignore_eos, the whole model length) that every request is still running when its client leaves.
-    sampling = {"max_tokens": 255, "temperature": 0, "ignore_eos": True}
+    def sampling(prompt):
+        return {"max_tokens": info.max_model_len - len(prompt), "temperature": 0, "ignore_eos": True}
 
     async def http_client(session, prompt):
         async with session.post(server.http_url + "/v1/completions",
-                                json={"prompt": prompt, "stream": True, **sampling}) as resp:
+                                json={"prompt": prompt, "stream": True, **sampling(prompt)}) as resp:
             assert resp.status == 200
             async for line in resp.content:
                 if line.startswith(b"data:"):
@@ -115,7 +116,7 @@ def test_100_clients_that_vanish_mid_stream_leave_nothing_behind(server, info):
 
     async def grpc_client(stub, prompt):
         call = stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt),
-                                                sampling=pb.SamplingParams(**sampling)))
+                                                sampling=pb.SamplingParams(**sampling(prompt))))
         first = await call.read()
         assert first.token_ids
         call.cancel()
@@ -149,7 +150,7 @@ def test_grpc_deadline_aborts_the_request(server):
         async with grpc.aio.insecure_channel(server.grpc_target) as ch:
             stub = pb_grpc.M3JaxStub(ch)
             req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2, 3]),
-                                     sampling=pb.SamplingParams(max_tokens=255, ignore_eos=True))
+                                     sampling=pb.SamplingParams(max_tokens=253, ignore_eos=True))
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 async for m in stub.Generate(req, timeout=0.5):
                     got += m.token_ids

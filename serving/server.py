@@ -78,40 +78,6 @@ class RequestError(ValueError):
         self.num_prompt_tokens = num_prompt_tokens  # for the access log, when the prompt was tokenised
 
 
-# ---- tokenisation that lets the event loop run -----------------------------------------------------------------
-
-
-def encode_text(tokenizer: Any, text: str) -> list[int]:
-    """`tokenizer.encode(text)`, with the GIL released while the Rust tokenizer works.
-
-    The `tokenizers` binding holds the GIL through `encode` but releases it in `encode_batch`: a long prompt
-    tokenised on a worker thread by `encode` would still stop the event loop (and /health) for as long as it
-    takes. A test holds this equal to `M3Tokenizer.encode`.
-    """
-    from tokenizers import Tokenizer
-
-    backend = getattr(tokenizer, "backend", None)
-    if isinstance(backend, Tokenizer):
-        return backend.encode_batch([text], add_special_tokens=False)[0].ids
-    return tokenizer.encode(text)
-
-
-def chat_ids(tokenizer: Any, messages: Any, **template_kwargs: Any) -> list[int]:
-    """`tokenizer.encode_chat(messages, ...)` through `encode_text`: the rendered template, tokenised, with
-    exactly one BOS where the template wrote two (what `M3Tokenizer.encode_chat` does; a test holds them equal)."""
-    if tokenizer is None:
-        raise ValueError("this model has no tokenizer, so it has no chat template: send token ids")
-    try:
-        text = tokenizer.apply_chat_template(messages, **template_kwargs)
-    except TypeError as e:  # a wrong argument type from a client's JSON
-        raise ValueError(str(e)) from None
-    ids = encode_text(tokenizer, text)
-    bos = getattr(tokenizer, "bos_token_id", None)
-    if len(ids) >= 2 and bos is not None and ids[0] == ids[1] == bos:
-        ids = ids[1:]
-    return ids
-
-
 # ---- one request -------------------------------------------------------------------------------------------------
 
 
@@ -303,7 +269,7 @@ class ServingCore:
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: send the prompt as token ids")
             try:
-                return encode_text(self.tokenizer, prompt)
+                return self.tokenizer.encode(prompt)
             except (TypeError, UnicodeError) as e:  # e.g. an unpaired UTF-16 surrogate from a JSON client
                 raise ValueError(f"the prompt is not valid text: {e}") from e
         return list(prompt)
@@ -345,8 +311,13 @@ class ServingCore:
     def encode_chat(self, messages: Any, **template_kwargs: Any) -> list[int]:
         """Prompt ids of a conversation through the checkpoint's chat template (ValueError for a bad one). Run
         it on a worker thread (`run_blocking`, or hand `functools.partial(core.encode_chat, ...)` to `open`)."""
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer, so it has no chat template: send token ids")
         template_kwargs.setdefault("add_generation_prompt", True)
-        return chat_ids(self.tokenizer, messages, **template_kwargs)
+        try:
+            return self.tokenizer.encode_chat(messages, **template_kwargs)
+        except TypeError as e:  # a wrong argument type from a client's JSON
+            raise ValueError(str(e)) from None
 
     def abort(self, request_id: str) -> bool:
         """Abort a request in flight; its stream ends with finish_reason "abort". False if there is none."""

@@ -349,7 +349,9 @@ class M3Tokenizer:
         """
         if not isinstance(text, str):
             raise TypeError(f"encode takes a str, got {type(text).__name__}")
-        ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch, not encode: the binding releases the GIL only there, so a long prompt tokenised on a
+        # worker thread does not stop the servers' event loop.
+        ids = self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self._collapse_double_bos(ids) if add_special_tokens else ids
 
     def _collapse_double_bos(self, ids: list[int]) -> list[int]:

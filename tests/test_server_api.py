@@ -132,21 +132,17 @@ def test_unsupported_and_unknown_fields_are_refused_by_name():
     assert (p.max_tokens, opts.max_tokens_param) == (16, None)
 
 
-def test_off_loop_tokenisation_equals_the_tokenizer():
-    """The server's GIL-releasing tokenisation is exactly M3Tokenizer.encode / encode_chat."""
+def test_tokenisation_releases_the_gil_and_equals_encode():
+    """M3Tokenizer.encode goes through the binding's encode_batch (which releases the GIL, so worker-thread
+    tokenisation lets the event loop run) and gives exactly what the binding's encode gives."""
     from m3jax.api import embedded_model_path
-    from serving.server import chat_ids, encode_text
     from serving.tokenizer import M3Tokenizer
 
     if not (embedded_model_path() / "tokenizer.json").is_file():
         pytest.skip("no embedded tokenizer")
     tok = M3Tokenizer.from_dir(embedded_model_path())
     for text in ("def fibonacci(n):\n    return n", "ünïcödé 漢字 \U0001f600", "", "]~b]user\nhi[e~[\n" * 3):
-        assert encode_text(tok, text) == tok.encode(text), text
-    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
-    for gen in (True, False):
-        assert chat_ids(tok, messages, add_generation_prompt=gen) == tok.encode_chat(messages,
-                                                                                     add_generation_prompt=gen)
+        assert tok.encode(text) == tok.backend.encode(text, add_special_tokens=False).ids, text
 
 
 # ---- gRPC ---------------------------------------------------------------------------------------------------

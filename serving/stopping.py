@@ -24,12 +24,13 @@ class TextState:
     text: str = ""  # emitted so far (stop strings excluded)
     delta: str = ""  # emitted by the latest token, for streaming
 
-    def push(self, token_id: int, final: bool) -> bool:
-        """Add a token's text; True when a stop string has been reached."""
+    def push(self, token_id: int | None, final: bool) -> bool:
+        """Add a token's text (None: no token, only the end when `final`); True when a stop string has been
+        reached."""
         if self.detok is None:
             self.delta = ""
             return False
-        piece = self.detok.push(token_id)
+        piece = self.detok.push(token_id) if token_id is not None else ""
         if final:
             piece += self.detok.flush()
         new, stopped = self.stops.push(piece)
@@ -47,14 +48,18 @@ def append_token(req: Request, token_id: int, max_model_len: int) -> FinishReaso
     reason = None
     if req.grammar is not None:
         req.grammar.accept(token_id)
-    if (token_id in req.eos_token_ids and not req.ignore_eos) or token_id in req.stop_token_ids:
+    eos = token_id in req.eos_token_ids and not req.ignore_eos
+    if eos or token_id in req.stop_token_ids:
         reason = FinishReason.STOP
         req.stop_reason = token_id if token_id in req.stop_token_ids else None
     elif req.grammar is not None and req.grammar.finished:
         reason = FinishReason.STOP  # the grammar allows nothing more: the output is complete
     elif len(req.output_ids) >= req.max_tokens or req.num_prompt + len(req.output_ids) >= max_model_len:
         reason = FinishReason.LENGTH
-    if req.text is not None and req.text.push(token_id, final=reason is not None):
+    # The EOS that ends a request is not text of it (a stop token id is, as in vLLM, unless special tokens are
+    # skipped): with special tokens kept in the text (`skip_special_tokens=False`, what M3's reasoning and
+    # tool-call parsers need), M3's end-of-turn token would otherwise end every answer.
+    if req.text is not None and req.text.push(None if eos else token_id, final=reason is not None):
         reason = FinishReason.STOP  # a stop string ends the text here, whatever else this token did
         req.stop_reason = req.text.stops.stop_str
     req.finish_reason = reason

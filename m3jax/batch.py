@@ -108,13 +108,19 @@ class RowPlan:
     start: int
     pages: Sequence[int]
     sample: bool = True
+    # Logit rows wanted: the last `num_logits` tokens (speculative verification: 1 + k); None: 1 if `sample`.
+    num_logits: int | None = None
 
 
 def build_batch(rows: Sequence[RowPlan], ps: int, num_tokens: int, num_rows: int, pages_per_row: int,
-                num_logit_rows: int | None = None) -> tuple[Batch, list[int]]:
+                num_logit_rows: int | None = None, logits_per_row: int | None = None) -> tuple[Batch, list[int]]:
     """Host-side assembly of a padded Batch (numpy leaves). Returns the batch and, per row, the index into
     `logit_rows` of its sampled token (-1 if not sampled). Padding tokens write to the sink page and read row 0.
-    Token ids below 0 (placeholders the step fills on the device) are sent as 0."""
+    Token ids below 0 (placeholders the step fills on the device) are sent as 0.
+
+    `logits_per_row` (speculative decoding): the logit rows form a [num_rows, logits_per_row] grid, row r's
+    entries its last `num_logits` tokens in order, the rest repeating its last token (masked by whoever reads
+    them); the returned index of row r is then r * logits_per_row, or -1 when it wants none."""
     n = len(rows)
     lengths = np.fromiter((len(r.tokens) for r in rows), np.int64, n)
     total = int(lengths.sum())
@@ -151,14 +157,27 @@ def build_batch(rows: Sequence[RowPlan], ps: int, num_tokens: int, num_rows: int
     seq_lens = np.zeros(num_rows, np.int32)
     seq_lens[:n] = ends
 
-    sampled = np.flatnonzero(np.fromiter((r.sample for r in rows), bool, n) & (lengths > 0))
-    if len(sampled) > num_logit_rows:
-        raise ValueError("more sampled rows than logit rows in the bucket")
-    logit_rows = np.zeros(num_logit_rows, np.int32)
-    logit_rows[: len(sampled)] = query_start[sampled + 1] - 1
-    sample_index = np.full(n, -1, np.int64)
-    sample_index[sampled] = np.arange(len(sampled))
-    sample_index = sample_index.tolist()
+    if logits_per_row is not None:
+        width = logits_per_row
+        wanted = np.fromiter(((r.num_logits if r.num_logits is not None else int(r.sample)) for r in rows), np.int64,
+                             n)
+        if (wanted > np.minimum(lengths, width)).any():
+            raise ValueError(f"a row wants more logit rows than it has tokens or than {width}")
+        j = np.arange(width)[None, :]
+        last = (query_start[1: n + 1] - 1)[:, None]
+        grid = np.zeros((num_rows, width), np.int32)
+        grid[:n] = last - np.maximum(wanted[:, None] - 1 - j, 0)
+        logit_rows = grid.reshape(-1)
+        sample_index = np.where(wanted > 0, np.arange(n) * width, -1).tolist()
+    else:
+        sampled = np.flatnonzero(np.fromiter((r.sample for r in rows), bool, n) & (lengths > 0))
+        if len(sampled) > num_logit_rows:
+            raise ValueError("more sampled rows than logit rows in the bucket")
+        logit_rows = np.zeros(num_logit_rows, np.int32)
+        logit_rows[: len(sampled)] = query_start[sampled + 1] - 1
+        sample_index = np.full(n, -1, np.int64)
+        sample_index[sampled] = np.arange(len(sampled))
+        sample_index = sample_index.tolist()
     # Host arrays: jit (or a compiled step) moves them to the devices with the placement it was built for.
     batch = Batch(token_ids, positions, token_row, slots, page_table, logit_rows, query_start, seq_lens)
     return batch, sample_index

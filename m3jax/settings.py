@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import json
 import os
 import sys
 from pathlib import Path
@@ -73,6 +74,10 @@ class Settings:
     enable_prefix_caching: bool = knob(True, "reuse the K/V and index-K pages of prompt prefixes already computed "
                                        "(full pages, shared without copies, evicted least recently used)", ENGINE)
     async_scheduling: bool = knob(True, "prepare step N+1 on the host while the device runs step N", ENGINE)
+    speculative_config: str | None = knob(
+        None, 'speculative decoding, as vLLM\'s JSON: {"method": "eagle3", "model": DRAFT_DIR, '
+        '"num_speculative_tokens": K}; without "model", the EAGLE-3 draft shipped for the embedded tiny model',
+        ENGINE, metavar="JSON")
     warmup: bool = knob(True, "compile every step shape at start-up, so serving never compiles", ENGINE)
     progress: bool | None = knob(None, "progress bars for loading and compiling (default: when stderr is a "
                                  "terminal and M3JAX_NO_PROGRESS is not 1)", ENGINE)
@@ -103,6 +108,12 @@ class Settings:
     log_level: str = knob("INFO", "logging level", SERVER, choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     log_format: str = knob("text", "log lines as text or as one JSON object per line (for log collectors)",
                            SERVER, choices=("text", "json"), env="M3JAX_LOG_FORMAT")
+    reasoning_parser: str = knob("minimax_m3", "split M3's thinking (<mm:think> ... </mm:think>) out of chat replies "
+                                 "into reasoning_content, when the tokenizer has those markers (none: the text "
+                                 "as generated)", SERVER, choices=("minimax_m3", "none"))
+    tool_call_parser: str = knob("minimax_m3", "parse M3's tool-call blocks in chat replies into tool_calls (none: "
+                                 "`tools` are only rendered into the prompt, and a tool_choice other than none "
+                                 "is refused)", SERVER, choices=("minimax_m3", "none"))
     throughput_log_interval: float = knob(10.0, "seconds between throughput log lines while serving (tokens/s, "
                                           "running and waiting requests, KV cache use; 0: none)", SERVER,
                                           metavar="SECONDS")
@@ -140,6 +151,9 @@ class Settings:
                 raise ValueError(f"{flag(name)} must be >= 0, got {getattr(self, name)}")
         if self.max_request_body_mb is not None and self.max_request_body_mb <= 0:
             raise ValueError(f"{flag('max_request_body_mb')} must be positive, got {self.max_request_body_mb}")
+        if isinstance(self.speculative_config, dict):  # LLM(speculative_config={...})
+            object.__setattr__(self, "speculative_config", json.dumps(self.speculative_config))
+        self.speculative()  # a malformed one is refused here, before anything loads
 
     # ---- derived values ---------------------------------------------------------------------------------------
     def compute_dtype(self) -> str:
@@ -160,6 +174,9 @@ class Settings:
     def kernel_choice(self) -> KernelChoice:
         """The static kernel choice of the forward, resolved for this backend and device count."""
         return KernelChoice(self.attention_kernels, self.moe_kernels).resolve(self.tensor_parallel_size)
+
+    def speculative(self) -> SpeculativeConfig | None:
+        return SpeculativeConfig.parse(self.speculative_config)
 
     def show_progress(self) -> bool:
         if self.progress is not None:
@@ -189,6 +206,55 @@ class Settings:
     def from_args(cls, args: argparse.Namespace) -> Settings:
         """Settings from parsed flags (`add_arguments`); fields without a flag keep their defaults."""
         return cls(**{n: getattr(args, n) for n in cls.field_names() if hasattr(args, n)})
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """`--speculative-config` parsed: the draft method, its directory and k, the draft tokens per step."""
+
+    method: str
+    model: str | None  # the draft's directory; None: the draft shipped for the embedded model
+    num_speculative_tokens: int
+
+    METHODS = ("eagle3",)
+
+    @classmethod
+    def parse(cls, raw: str | None) -> SpeculativeConfig | None:
+        """From the JSON text of the flag; ValueError naming what is wrong."""
+        if raw is None or raw == "":
+            return None
+        name = flag("speculative_config")
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{name}: not valid JSON ({e})") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"{name}: must be a JSON object")
+        unknown = set(value) - {"method", "model", "num_speculative_tokens"}
+        if unknown:
+            raise ValueError(f"{name}: unknown keys {sorted(unknown)} (known: method, model, "
+                             "num_speculative_tokens)")
+        method = value.get("method")
+        if method not in cls.METHODS:
+            raise ValueError(f"{name}: method {method!r} is not supported (supported: {', '.join(cls.METHODS)})")
+        k = value.get("num_speculative_tokens")
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 8:
+            raise ValueError(f"{name}: num_speculative_tokens must be an integer in [1, 8], got {k!r}")
+        model = value.get("model")
+        if model is not None and not isinstance(model, str):
+            raise ValueError(f"{name}: model must be the draft checkpoint's directory")
+        return cls(method, model, k)
+
+    def draft_path(self, target: str | None) -> Path:
+        """The draft's directory; the shipped draft only goes with the embedded model (`target` None)."""
+        if self.model is not None:
+            return Path(self.model)
+        if target is not None:
+            raise ValueError(f'{flag("speculative_config")}: give the draft\'s directory as "model" (the shipped '
+                             "draft is for the embedded tiny model only)")
+        import checkpoints
+
+        return Path(checkpoints.__file__).parent / "tiny_eagle3"
 
 
 def flag(name: str) -> str:

@@ -35,9 +35,9 @@ from serving.executables import enable_xla_cache
 from serving.kv_cache import PageAllocator
 from serving.outputs import CompletionOutput, Logprob, RequestOutput, SamplingParams
 from serving.request import FinishReason, Request
-from serving.runner import InFlight, ModelRunner, StepFailed
+from serving.runner import Draft, InFlight, ModelRunner, StepFailed
 from serving.sampling import TokenConstraints, uses_penalty
-from serving.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from serving.scheduler import ModelRunnerOutput, Scheduler, SchedulerConfig, SchedulerOutput
 from serving.stopping import TextState
 from serving.tokenizer import IncrementalDetokenizer, M3Tokenizer, StopChecker, TokenizerMissing
 
@@ -73,6 +73,32 @@ def load(settings: Settings) -> tuple[M3Model, M3Tokenizer | None]:
     return model, tokenizer
 
 
+def load_draft(settings: Settings, model: M3Model) -> Draft | None:
+    """The EAGLE-3 draft of `--speculative-config` on the devices (replicated), checked against the target."""
+    spec = settings.speculative()
+    if spec is None:
+        return None
+    import jax
+    import numpy as np
+
+    from checkpoints.eagle import load_draft as load_draft_dir
+
+    path = spec.draft_path(settings.model)
+    cfg = model.cfg
+    dcfg, host = load_draft_dir(path, dtype=np.dtype(model.dtype).name, target_num_layers=cfg.num_layers)
+    problems = []
+    if dcfg.vocab_size != cfg.vocab_size:
+        problems.append(f"vocab_size {dcfg.vocab_size} != the target's {cfg.vocab_size}")
+    if dcfg.target_hidden_size != cfg.hidden_size:
+        problems.append(f"target_hidden_size {dcfg.target_hidden_size} != the target's hidden_size {cfg.hidden_size}")
+    if max(dcfg.aux_layer_ids) >= cfg.num_layers:
+        problems.append(f"aux layers {list(dcfg.aux_layer_ids)} are beyond the target's {cfg.num_layers} layers")
+    if problems:
+        raise ValueError(f"the draft in {path} does not fit this model: {'; '.join(problems)}")
+    log.info("speculative decoding: EAGLE-3 draft from %s, %d tokens a step", path, spec.num_speculative_tokens)
+    return Draft(dcfg, jax.device_put(host, model.rules.replicated()), spec.num_speculative_tokens)
+
+
 def model_len(settings: Settings, limit: int) -> int:
     """The engine's model length: --max-model-len, or the model's limit capped at 4096; above the limit is an
     error, not a silent clamp."""
@@ -90,6 +116,7 @@ class _Client:
     prompt: str | None
     sink: Sink | None
     sent_tokens: int = 0
+    sent_chars: int = 0
     logprobs: list[Logprob] | None = None
 
 
@@ -108,11 +135,17 @@ class EngineCore:
         self.max_model_len = model_len(settings, mcfg.max_position_embeddings)
         self.eos_token_ids = frozenset(mcfg.eos_token_ids) | frozenset(tokenizer.eos_token_ids if tokenizer else ())
         num_pages = self._num_pages()
+        draft = load_draft(settings, model)
+        self.num_speculative_tokens = draft.k if draft is not None else 0
         self.scheduler = Scheduler(
             SchedulerConfig(settings.max_num_seqs, settings.max_num_batched_tokens, self.max_model_len,
-                            model.page_size), PageAllocator(num_pages, settings.enable_prefix_caching))
+                            model.page_size, self.num_speculative_tokens),
+            PageAllocator(num_pages, settings.enable_prefix_caching))
         self.runner = ModelRunner(model, num_pages, settings.max_num_seqs, settings.max_num_batched_tokens,
-                                  self.max_model_len, cache_dir)
+                                  self.max_model_len, cache_dir, draft)
+        # A speculative step needs the previous step's tokens on the host (its rows carry them and the drafts that
+        # follow them), so steps complete before the next one is scheduled.
+        self.async_scheduling = settings.async_scheduling and draft is None
         self.warmup_seconds = self.runner.warmup(settings.show_progress()) if settings.warmup else 0.0
         self.stats: collections.Counter[str] = collections.Counter()
         self.last_step_seconds = 0.0
@@ -192,6 +225,9 @@ class EngineCore:
             # The penalty history is recorded on the device from the tokens a step feeds: a request that skipped
             # its cached prefix would miss them.
             use_prefix_cache=not uses_penalty(params),
+            # Penalties and grammars depend on every token before: drafts would need both to follow each draft
+            # position, so these requests decode one token a step.
+            use_spec=not uses_penalty(params) and params.structured_outputs is None,
         )
         return req, text
 
@@ -296,12 +332,12 @@ class EngineCore:
         launched = self._launch(scheduled, outputs) if scheduled.rows else None
         if self._inflight is not None:
             self._complete(self._inflight, outputs)
-        if launched is not None and launched.out is None:
+        if launched is not None and not launched.dispatched:
             # Grammar rows: their masks need the tokens just collected; the device runs the forward meanwhile.
             self._sample_constrained(launched, outputs)
-            launched = launched if launched.out is not None else None
+            launched = launched if launched.dispatched else None
         self._inflight = launched
-        if launched is not None and not self.settings.async_scheduling:
+        if launched is not None and not self.async_scheduling:
             self._inflight = None
             self._complete(launched, outputs)
         return outputs
@@ -332,13 +368,31 @@ class EngineCore:
             self._fail_all(e, outputs)
             step.out = None
 
+    def _spec_constraints(self, scheduled: SchedulerOutput) -> TokenConstraints | None:
+        """A speculative step's constraints over its [rows, 1 + k] grid of logit rows. Steps complete before the
+        next is scheduled, so grammar masks are built at once (grammar rows carry no drafts: only column 0)."""
+        width = self.runner.logits_per_row
+        num_rows = self.runner.rows_for(self.runner.bucket(scheduled.num_tokens))
+        grid: list[Request | None] = [None] * (num_rows * width)
+        for i, row in enumerate(scheduled.rows):
+            client = self._clients.get(row.seq) if row.sample else None
+            if client is not None:
+                for j in range(1 if client.req.grammar is not None else 1 + row.num_drafts):
+                    grid[i * width + j] = client.req
+        return self._constraints(grid, num_rows * width)
+
     def _launch(self, scheduled: SchedulerOutput, outputs: list[RequestOutput]) -> InFlight | None:
         t0 = time.perf_counter()
         reqs = self._sampled_requests(scheduled)
-        defer = any(r is not None and r.grammar is not None for r in reqs)
+        defer = self.num_speculative_tokens == 0 and any(r is not None and r.grammar is not None for r in reqs)
+        if self.num_speculative_tokens:
+            constraints = self._spec_constraints(scheduled)
+        elif defer:
+            constraints = None
+        else:
+            constraints = self._constraints(reqs, self.runner.rows_for(self.runner.bucket(scheduled.num_tokens)))
         try:
-            step = self.runner.launch(scheduled, None if defer else self._constraints(reqs, self.runner.rows_for(
-                self.runner.bucket(scheduled.num_tokens))), defer_sampling=defer)
+            step = self.runner.launch(scheduled, constraints, defer_sampling=defer)
         except StepFailed as e:
             self._fail_all(e, outputs)
             return None
@@ -360,12 +414,36 @@ class EngineCore:
                 continue
             if req.first_token_time is None:
                 req.first_token_time = now
+            if result.num_emitted is not None:
+                self._count_spec(req, result, i)
             if client.logprobs is not None and result.logprobs is not None:
-                n = req.sampling.logprobs
-                top = {int(t): float(lp) for t, lp in zip(result.top_ids[i, :n], result.top_logprobs[i, :n],
-                                                           strict=True)}
-                client.logprobs.append(Logprob(int(result.token_ids[i]), float(result.logprobs[i]), top))
-            self._emit(client, outputs, req.finish_reason, delta_text=req.text.delta if req.text else "")
+                self._append_logprobs(client, result, i)
+            self._emit(client, outputs, req.finish_reason)
+
+    def _append_logprobs(self, client: _Client, result: ModelRunnerOutput, i: int) -> None:
+        """The logprobs of the tokens sampled row i added to its request (one, or a speculative row's run)."""
+        n = client.req.sampling.logprobs
+        new = len(client.req.output_ids) - len(client.logprobs)  # tokens kept (a stop may cut a run short)
+        spec = result.num_emitted is not None
+        for j in range(new):
+            at = (i, j) if spec else (i,)
+            top = {int(t): float(lp) for t, lp in zip(result.top_ids[at][:n], result.top_logprobs[at][:n],
+                                                       strict=True)}
+            token = result.token_ids[at]
+            client.logprobs.append(Logprob(int(token), float(result.logprobs[at]), top))
+
+    def _count_spec(self, req: Request, result: ModelRunnerOutput, i: int) -> None:
+        """Speculation counters (vLLM's names): drafts verified, draft tokens, accepted ones, and accepted by
+        draft position."""
+        drafts = int(req.last_num_drafts)
+        if not drafts:
+            return
+        accepted = int(result.num_emitted[i]) - 1
+        self.stats["spec_num_drafts"] += 1
+        self.stats["spec_num_draft_tokens"] += drafts
+        self.stats["spec_num_accepted_tokens"] += accepted
+        for pos in range(accepted):
+            self.stats[f"spec_accepted_at_{pos}"] += 1
 
     def _fail_all(self, error: Exception, outputs: list[RequestOutput]) -> None:
         """A failed step lost the KV of every request with pages (and tokens in flight): fail them, keep
@@ -405,7 +483,7 @@ class EngineCore:
                         self._emit(client, outputs, FinishReason.ABORT)
 
     def _emit(self, client: _Client, outputs: list[RequestOutput], reason: FinishReason | None,
-              delta_text: str = "", error: str | None = None, rejected: bool = False) -> None:
+              error: str | None = None, rejected: bool = False) -> None:
         req = client.req
         finished = reason is not None
         ids = list(req.output_ids)
@@ -427,6 +505,8 @@ class EngineCore:
                         del self._by_parent[req.parent_id]
             self.stats[f"finished_{reason.value}"] += 1
         text = req.text.text if req.text is not None else ""
+        delta_text = text[client.sent_chars:]  # the text only grows; a speculative step may add several tokens'
+        client.sent_chars = len(text)
         out = RequestOutput(
             request_id=req.parent_id or req.request_id,
             prompt=client.prompt,

@@ -71,6 +71,12 @@ class Request:
     page_hashes: list[bytes] = dataclasses.field(default_factory=list)
     num_named_pages: int = 0
     use_prefix_cache: bool = True
+    # Speculative decoding: whether this request is drafted for, the draft tokens proposed for its next row, and
+    # how many of them the row in flight carries (rolled back by how many were rejected).
+    use_spec: bool = True
+    draft_tokens: list[int] = dataclasses.field(default_factory=list)
+    num_drafts_in_flight: int = 0
+    last_num_drafts: int = 0  # drafts the last collected row verified (the acceptance counters)
 
     @property
     def num_prompt(self) -> int:

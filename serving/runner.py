@@ -37,6 +37,7 @@ import numpy as np
 
 from m3jax.api import M3Model
 from m3jax.batch import Batch, KVPages, RowPlan, build_batch
+from m3jax.eagle import DraftConfig, DraftPages
 from m3jax.model import forward
 from pallas_kernels.choice import KernelChoice
 from serving.executables import ExecutableCache, xla_cache_hits
@@ -53,8 +54,19 @@ from serving.sampling import (
     uses_penalty,
 )
 from serving.scheduler import ModelRunnerOutput, SchedulerOutput
+from serving.speculative import SpecOutput, spec_step
 
 log = logging.getLogger(__name__)
+
+
+class _Greedy:
+    """The sampling parameters of a padding row: greedy, everything off."""
+
+    temperature, top_k, top_p, min_p = 0.0, 0, 1.0, 0.0
+    repetition_penalty, presence_penalty, frequency_penalty, seed = 1.0, 0.0, 0.0, 0
+
+
+_GREEDY = _Greedy()
 
 
 def token_buckets(max_num_batched_tokens: int, smallest: int = 8) -> list[int]:
@@ -81,22 +93,40 @@ class InFlight:
     sampling: SamplingTensors  # host arrays
     want_logprobs: bool
     out: SampleOutput | None = None  # set once sampling is dispatched
+    spec: SpecOutput | None = None  # a speculative step's outputs (then `out` stays None)
+    sampled_index: list[int] = dataclasses.field(default_factory=list)  # each sampled row's request row
 
     @property
     def num_rows(self) -> int:
         return self.sampling.num_rows
 
+    @property
+    def dispatched(self) -> bool:
+        """Whether the step's sampling is on the device (a deferred one waits for `ModelRunner.sample`)."""
+        return self.out is not None or self.spec is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class Draft:
+    """An EAGLE-3 draft on the device, proposing `k` tokens a step (serving/speculative.py)."""
+
+    dcfg: DraftConfig
+    params: Any
+    k: int
+
 
 def _forward(params: Any, kv: KVPages, history: PenaltyHistory, prev_tokens: jax.Array, batch: Batch,
-             prev_index: jax.Array, history_rows: HistoryRows, *, cfg: Any, kernels: KernelChoice
-             ) -> tuple[KVPages, PenaltyHistory, jax.Array]:
+             prev_index: jax.Array, history_rows: HistoryRows, *, cfg: Any, kernels: KernelChoice,
+             logits_sharding: Any = None) -> tuple[KVPages, PenaltyHistory, jax.Array]:
     # Placeholders: tokens the previous step sampled, taken from its device output.
     token_ids = jnp.where(prev_index >= 0, prev_tokens[jnp.maximum(prev_index, 0)], batch.token_ids)
     batch = dataclasses.replace(batch, token_ids=token_ids)
     history = record_history(history, history_rows, token_ids, batch.token_row, batch.positions,
                              batch.query_start[-1])
     out = forward(params, cfg, kv, batch, kernels)
-    return out.kv, history, out.logits
+    # Under TP the lm_head's output is split over the vocabulary: the sampling executable takes it whole.
+    logits = out.logits if logits_sharding is None else jax.lax.with_sharding_constraint(out.logits, logits_sharding)
+    return out.kv, history, logits
 
 
 def _sample(logits: jax.Array, history: PenaltyHistory, sampling: SamplingTensors, constraints: TokenConstraints,
@@ -109,7 +139,7 @@ def _sample(logits: jax.Array, history: PenaltyHistory, sampling: SamplingTensor
 
 class ModelRunner:
     def __init__(self, model: M3Model, num_pages: int, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, cache_dir: str | Path | None = None):
+                 max_model_len: int, cache_dir: str | Path | None = None, draft: Draft | None = None):
         self.model = model
         self.cfg = model.cfg
         self.page_size = model.page_size
@@ -120,9 +150,16 @@ class ModelRunner:
         self.token_buckets = token_buckets(max_num_batched_tokens)
         self.cache = ExecutableCache(cache_dir) if cache_dir is not None else None
         self._fns = {
-            "forward": jax.jit(functools.partial(_forward, cfg=self.cfg, kernels=model.kernels), donate_argnums=(1, 2)),
+            "forward": jax.jit(functools.partial(_forward, cfg=self.cfg, kernels=model.kernels,
+                                                 logits_sharding=model.rules.replicated()), donate_argnums=(1, 2)),
             "sample": jax.jit(functools.partial(_sample, max_logprobs=MAX_LOGPROBS, num_prev=max_num_seqs)),
         }
+        self.draft = draft
+        if draft is not None:
+            # One executable a step: target, verification and the draft's passes (serving/speculative.py).
+            self._fns["spec"] = jax.jit(functools.partial(
+                spec_step, cfg=self.cfg, dcfg=draft.dcfg, kernels=model.kernels, k=draft.k,
+                max_logprobs=MAX_LOGPROBS), donate_argnums=(2, 3, 4))
         self._executables: dict[tuple[str, int], Callable[..., Any]] = {}
         self._no_constraints: dict[int, TokenConstraints] = {}  # device copies of the empty constraints, by rows
         self.compile_log: list[dict[str, Any]] = []  # one entry per executable made: what, size, how, seconds
@@ -135,6 +172,9 @@ class ModelRunner:
         self.history = jax.device_put(PenaltyHistory.empty(self.max_num_seqs, self.cfg.vocab_size), replicated)
         self.prev_tokens = jax.device_put(jnp.zeros((self.max_num_seqs,), jnp.int32), replicated)
         self._prev_index: dict[int, int] = {}  # Request.seq -> its sampled row in the last dispatched step
+        if self.draft is not None:
+            self.draft_pages = jax.device_put(DraftPages.empty(self.draft.dcfg, self.num_pages, self.page_size,
+                                                               self.model.dtype), replicated)
 
     # ---- shapes and executables --------------------------------------------------------------------------------
     def rows_for(self, num_tokens: int) -> int:
@@ -155,7 +195,15 @@ class ModelRunner:
             return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding or getattr(x, "sharding", None))
 
         V = self.cfg.vocab_size
-        if what == "forward":
+        if what == "spec":
+            rows, width = self.rows_for(size), 1 + self.draft.k
+            batch, _ = build_batch([], self.page_size, size, rows, self.pages_per_row, logits_per_row=width)
+            host = (batch, HistoryRows.untracked(rows, self.max_num_seqs),
+                    SamplingTensors.build([], [], rows * width, num_slots=self.max_num_seqs),
+                    TokenConstraints.empty(rows * width, V), np.full(rows * width, -1, np.int32),
+                    np.zeros(rows, np.int32), np.zeros(rows, np.int32))
+            device = (self.model.params, self.draft.params, self.kv, self.draft_pages, self.history)
+        elif what == "forward":
             batch, _ = build_batch([], self.page_size, size, self.rows_for(size), self.pages_per_row)
             host = (batch, np.zeros(size, np.int32), HistoryRows.untracked(self.rows_for(size), self.max_num_seqs))
             device = (self.model.params, self.kv, self.history, self.prev_tokens)
@@ -221,6 +269,8 @@ class ModelRunner:
 
     def shapes(self) -> list[tuple[str, int]]:
         """Every executable serving can need: a forward per token bucket, a sampling per row count."""
+        if self.draft is not None:
+            return [("spec", t) for t in self.token_buckets]
         rows = sorted({self.rows_for(t) for t in self.token_buckets})
         return [("forward", t) for t in self.token_buckets] + [("sample", r) for r in rows]
 
@@ -275,6 +325,8 @@ class ModelRunner:
                defer_sampling: bool = False) -> InFlight:
         """Dispatch a step's forward, and its sampling unless `defer_sampling` (then `sample` does, with the
         constraints it is given). Returns before anything has run. Raises StepFailed, with the state rebuilt."""
+        if self.draft is not None:
+            return self._launch_spec(scheduled, constraints)
         num_tokens, forward_args, sampling, sampled_index = self.inputs(scheduled)
         try:
             self.kv, self.history, logits = self.executable("forward", num_tokens)(
@@ -295,10 +347,7 @@ class ModelRunner:
         """Dispatch a launched step's sampling (None: no biases, no grammar)."""
         rows = step.num_rows
         if constraints is None:
-            if rows not in self._no_constraints:
-                self._no_constraints[rows] = jax.device_put(TokenConstraints.empty(rows, self.cfg.vocab_size),
-                                                            self.model.rules.replicated())
-            constraints = self._no_constraints[rows]
+            constraints = self._empty_constraints(rows)
         try:
             self.prev_tokens, step.out = self.executable("sample", rows)(step.logits, self.history, step.sampling,
                                                                         constraints)
@@ -306,8 +355,77 @@ class ModelRunner:
             self._reset_state()
             raise StepFailed(f"step failed: {e}") from e
 
+    @property
+    def logits_per_row(self) -> int:
+        """Logit rows per request row of a step: 1, or 1 + k with speculation (the constraints' grid)."""
+        return 1 + self.draft.k if self.draft is not None else 1
+
+    def _launch_spec(self, scheduled: SchedulerOutput, constraints: TokenConstraints | None) -> InFlight:
+        """A speculative step: verification rows of 1 + drafts tokens, the draft's passes, in one executable.
+        `constraints` cover the [rows, 1 + k] grid of logit rows."""
+        W = self.logits_per_row
+        num_tokens = self.bucket(scheduled.num_tokens)
+        num_rows = self.rows_for(num_tokens)
+        rows = scheduled.rows
+        plans = [RowPlan(r.token_ids, r.start, r.pages, r.sample, 1 + r.num_drafts if r.sample else 0) for r in rows]
+        batch, _ = build_batch(plans, self.page_size, num_tokens, num_rows, self.pages_per_row, logits_per_row=W)
+        S = self.max_num_seqs
+        history_rows = HistoryRows.untracked(num_rows, S)
+        num_logits = np.zeros(num_rows, np.int32)
+        row_next = np.zeros(num_rows, np.int32)
+        draft_next = np.full((num_rows, W), -1, np.int32)
+        params, steps, slots = [], [], []
+        for i, r in enumerate(rows):
+            if uses_penalty(r.sampling):
+                history_rows.slot[i], history_rows.prompt_len[i] = r.slot, r.num_prompt
+                history_rows.reset[i] = r.start == 0
+            num_logits[i] = 1 + r.num_drafts if r.sample else 0
+            row_next[i] = max(r.next_token, 0)
+            if r.num_drafts:
+                draft_next[i, : r.num_drafts] = r.token_ids[-r.num_drafts:]
+        for i in range(num_rows):  # the sampling grid [rows, 1 + k]: each row's params at steps num_output + j
+            r = rows[i] if i < len(rows) else None
+            for j in range(W):
+                params.append(r.sampling if r is not None else None)
+                steps.append(r.num_output + j if r is not None else 0)
+                slots.append(r.slot if r is not None else -1)
+        sampling = SamplingTensors.build([p if p is not None else _GREEDY for p in params], steps, num_rows * W,
+                                         slots=slots, num_slots=S)
+        if constraints is None:
+            constraints = self._empty_constraints(num_rows * W)
+        try:
+            self.kv, self.draft_pages, self.history, out = self.executable("spec", num_tokens)(
+                self.model.params, self.draft.params, self.kv, self.draft_pages, self.history, batch, history_rows,
+                sampling, constraints, draft_next.reshape(-1), row_next, num_logits)
+        except Exception as e:
+            self._reset_state()
+            raise StepFailed(f"step failed: {e}") from e
+        sampled = [i for i, r in enumerate(rows) if r.sample]
+        want = any(getattr(rows[i].sampling, "logprobs", None) is not None for i in sampled)
+        return InFlight(scheduled, [rows[i].seq for i in sampled], None, sampling, want, spec=out,
+                        sampled_index=sampled)
+
+    def _empty_constraints(self, rows: int) -> TokenConstraints:
+        if rows not in self._no_constraints:
+            self._no_constraints[rows] = jax.device_put(TokenConstraints.empty(rows, self.cfg.vocab_size),
+                                                        self.model.rules.replicated())
+        return self._no_constraints[rows]
+
     def collect(self, step: InFlight) -> ModelRunnerOutput:
         """Wait for a step's tokens. Raises StepFailed (state rebuilt) if it failed on the device."""
+        if step.spec is not None:
+            try:
+                idx = step.sampled_index
+                out = jax.tree.map(np.asarray, step.spec)
+                result = ModelRunnerOutput(step.seqs, out.emitted[idx], num_emitted=out.num_emitted[idx],
+                                           drafts=out.drafts[idx])
+                if step.want_logprobs:
+                    result.logprobs, result.top_ids = out.logprobs[idx], out.top_ids[idx]
+                    result.top_logprobs = out.top_logprobs[idx]
+                return result
+            except Exception as e:
+                self._reset_state()
+                raise StepFailed(f"step failed: {e}") from e
         assert step.out is not None, "the step's sampling was never dispatched"
         n = len(step.seqs)
         try:

@@ -247,6 +247,10 @@ class SampleOutput:
     logprobs: jax.Array  # f32[L]: raw-model log-probability of tokens
     top_ids: jax.Array  # i32[L, max_logprobs]: most likely tokens of the raw model, descending
     top_logprobs: jax.Array  # f32[L, max_logprobs]
+    # With `drafts` (speculative decoding): whether row r accepts the draft token that follows it, and the token
+    # it emits instead when it does not (see `verify`). None otherwise.
+    accept: jax.Array | None = None  # bool[L]
+    residual: jax.Array | None = None  # i32[L]
 
 
 # ---- device side -------------------------------------------------------------------------------------------
@@ -353,20 +357,56 @@ def filter_mask(scaled: jax.Array, t: SamplingTensors) -> jax.Array:
     return jnp.zeros((L, V), bool).at[jnp.arange(L)[:, None], sorted_ids].set(keep)
 
 
-def row_noise(t: SamplingTensors, vocab_size: int) -> jax.Array:
-    """f32[L, V] Gumbel noise; row r depends only on (seeds[r], step[r]) and V."""
+def row_noise(t: SamplingTensors, vocab_size: int, stream: int = 0) -> jax.Array:
+    """f32[L, V] Gumbel noise; row r depends only on (seeds[r], step[r]), V and `stream` (0: the draw itself;
+    others: speculative decoding's residual draw, independent of it)."""
 
     def one(seed_words: jax.Array, step: jax.Array) -> jax.Array:
-        key = jax.random.wrap_key_data(seed_words, impl="threefry2x32")
-        return jax.random.gumbel(jax.random.fold_in(key, step), (vocab_size,), jnp.float32)
+        key = jax.random.fold_in(jax.random.wrap_key_data(seed_words, impl="threefry2x32"), step)
+        if stream:
+            key = jax.random.fold_in(key, 1 << 30 | stream)
+        return jax.random.gumbel(key, (vocab_size,), jnp.float32)
 
     return jax.vmap(one)(t.seeds, t.step)
 
 
+def row_uniform(t: SamplingTensors) -> jax.Array:
+    """f32[L]: one uniform per row from its own key, for speculative decoding's acceptance test."""
+
+    def one(seed_words: jax.Array, step: jax.Array) -> jax.Array:
+        key = jax.random.fold_in(jax.random.wrap_key_data(seed_words, impl="threefry2x32"), step)
+        return jax.random.uniform(jax.random.fold_in(key, 1 << 30 | 2), (), jnp.float32)
+
+    return jax.vmap(one)(t.seeds, t.step)
+
+
+def verify(scaled: jax.Array, keep: jax.Array, is_greedy: jax.Array, greedy_tokens: jax.Array, t: SamplingTensors,
+           drafts: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Speculative sampling with greedy drafts (the draft's proposal is its argmax, so its distribution q is
+    one-hot): row r accepts the draft token d that follows it with probability p(d) (min(1, p / q) with q(d) = 1),
+    where p is the row's distribution after penalties, temperature and filters; on rejection it emits a token
+    drawn from p with d removed, renormalised (max(p - q, 0) normalised). A greedy row accepts iff d is its
+    argmax and otherwise emits its argmax. Output tokens then follow p exactly, whatever the drafts.
+    Returns (accept bool[L], residual i32[L]); rows with no draft (d = -1) accept nothing."""
+    L, V = scaled.shape
+    has = drafts >= 0
+    d = jnp.maximum(drafts, 0)
+    masked = jnp.where(keep, scaled, -jnp.inf)
+    p_d = jnp.exp(jnp.take_along_axis(masked, d[:, None], axis=-1)[:, 0] - jax.nn.logsumexp(masked, axis=-1))
+    accept_sampled = row_uniform(t) < p_d
+    not_d = jnp.arange(V)[None, :] != d[:, None]
+    residual_sampled = jnp.argmax(jnp.where(keep & not_d, scaled + row_noise(t, V, stream=1), -jnp.inf),
+                                  axis=-1).astype(jnp.int32)
+    accept = has & jnp.where(is_greedy, greedy_tokens == d, accept_sampled)
+    residual = jnp.where(is_greedy, greedy_tokens, residual_sampled)
+    return accept, residual
+
+
 def sample(logits: jax.Array, t: SamplingTensors, max_logprobs: int, history: PenaltyHistory | None = None,
-           constraints: TokenConstraints | None = None) -> SampleOutput:
+           constraints: TokenConstraints | None = None, drafts: jax.Array | None = None) -> SampleOutput:
     """Sample one token per row of `logits[L, V]`; `max_logprobs` (static) is the width of the top lists;
-    `history` the penalty tables (None: no row may use a penalty); `constraints` logit biases and grammar masks."""
+    `history` the penalty tables (None: no row may use a penalty); `constraints` logit biases and grammar masks;
+    `drafts` i32[L] (speculative decoding): the draft token that follows each row (-1: none), to `verify`."""
     logits = logits.astype(jnp.float32)
     L, V = logits.shape
     raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
@@ -396,6 +436,9 @@ def sample(logits: jax.Array, t: SamplingTensors, max_logprobs: int, history: Pe
 
     sampled = jax.lax.cond(jnp.any(~is_greedy), draw, lambda s, m: greedy_tokens, scaled, keep)
     tokens = jnp.where(is_greedy, greedy_tokens, sampled)
+    accept = residual = None
+    if drafts is not None:
+        accept, residual = verify(scaled, keep, is_greedy, greedy_tokens, t, drafts)
 
     token_logprobs = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
     if max_logprobs > 0:
@@ -403,7 +446,7 @@ def sample(logits: jax.Array, t: SamplingTensors, max_logprobs: int, history: Pe
     else:
         top_logprobs = jnp.zeros((L, 0), jnp.float32)
         top_ids = jnp.zeros((L, 0), jnp.int32)
-    return SampleOutput(tokens, token_logprobs, top_ids.astype(jnp.int32), top_logprobs)
+    return SampleOutput(tokens, token_logprobs, top_ids.astype(jnp.int32), top_logprobs, accept, residual)
 
 
 # ---- validation for the API layer --------------------------------------------------------------------------

@@ -38,6 +38,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     page_size: int
+    num_speculative_tokens: int = 0  # k: draft tokens verified per decoding row (0: no speculation)
 
     def __post_init__(self) -> None:
         for key in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "page_size"):
@@ -59,6 +60,8 @@ class ScheduledRow:
     sampling: object  # SamplingParams
     num_prompt: int
     num_output: int  # tokens generated before this row's sample (placeholders included)
+    num_drafts: int = 0  # the row's last `num_drafts` tokens are draft tokens to verify
+    next_token: int = -1  # a row that samples nothing: the prompt token after its last (speculation's draft)
 
 
 @dataclasses.dataclass
@@ -76,10 +79,18 @@ class ModelRunnerOutput:
     """What a step sampled, one entry per sampling row of its SchedulerOutput, in row order."""
 
     seqs: list[int]  # Request.seq of each sampled row
-    token_ids: np.ndarray  # [n] int32
-    logprobs: np.ndarray | None = None  # [n] fp32, when some request asked for logprobs
-    top_ids: np.ndarray | None = None  # [n, max_logprobs]
+    token_ids: np.ndarray  # [n] int32 (with speculation: [n, 1 + k], the first `num_emitted` of each row)
+    logprobs: np.ndarray | None = None  # [n] fp32, when some request asked for logprobs ([n, 1 + k] likewise)
+    top_ids: np.ndarray | None = None  # [n, max_logprobs] ([n, 1 + k, max_logprobs])
     top_logprobs: np.ndarray | None = None
+    num_emitted: np.ndarray | None = None  # [n]: speculation's 1 + accepted drafts per row
+    drafts: np.ndarray | None = None  # [n, k]: the drafts proposed for each row's next step
+
+    def emitted(self, i: int) -> list[int]:
+        """The tokens sampled row i emitted, in order."""
+        if self.num_emitted is None:
+            return [int(self.token_ids[i])]
+        return self.token_ids[i, : self.num_emitted[i]].tolist()
 
 
 class Scheduler:
@@ -159,7 +170,8 @@ class Scheduler:
             if n == 0:  # its last token is still to be sampled or it has all it may get: nothing to run
                 i += 1
                 continue
-            need = self.pages_for(req.num_computed + n) - len(req.pages)
+            drafts = self._num_drafts(req, n, budget)
+            need = self._pages_needed(req, n, drafts)
             while need > self.allocator.num_free and self.running[-1] is not req:
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -171,8 +183,8 @@ class Scheduler:
                 preempted.append(req)
                 break
             req.pages += self.allocator.allocate(need)
-            rows.append(self._row(req, n))
-            budget -= n
+            rows.append(self._row(req, n, drafts))
+            budget -= n + drafts
             i += 1
 
         # No admissions while preempting: the pool is the bottleneck, admitting would thrash.
@@ -182,7 +194,7 @@ class Scheduler:
                 break
             cached = self._take_cached_prefix(req)
             n = min(self._uncomputed(req), budget)
-            need = self.pages_for(req.num_computed + n) - len(req.pages)
+            need = self._pages_needed(req, n, 0)
             if need > self.allocator.num_free:
                 self.allocator.free(req.pages)  # give the cached pages back: it waits for room
                 req.pages, req.num_computed, req.num_named_pages = [], 0, 0
@@ -235,18 +247,36 @@ class Scheduler:
         for req in self.running:
             req.num_named_pages = len(req.pages)  # their pages hold nothing any more; they are being failed
 
+    def _num_drafts(self, req: Request, n: int, budget: int) -> int:
+        """Draft tokens a decoding row carries: the proposals it has, within its budget and its limits."""
+        k = self.config.num_speculative_tokens
+        if not k or not req.use_spec or n != 1 or req.num_computed + 1 != req.num_tokens or req.num_placeholders:
+            return 0
+        return max(0, min(k, len(req.draft_tokens), budget - 1, req.max_tokens - req.num_output - 1,
+                          self.config.max_model_len - req.num_tokens - 1))
+
+    def _pages_needed(self, req: Request, n: int, drafts: int) -> int:
+        """New pages for a row of n tokens plus its drafts. A row that samples also holds the next step's chained
+        draft passes, up to k positions further (speculation only)."""
+        end = req.num_computed + n + drafts
+        if self.config.num_speculative_tokens and end >= req.num_tokens:
+            end += self.config.num_speculative_tokens
+        return self.pages_for(min(end, self.config.max_model_len)) - len(req.pages)
+
     def _uncomputed(self, req: Request) -> int:
         """Tokens to run now: none when the request has sampled all it may (its finishing update is pending)."""
         if req.num_output >= req.max_tokens or req.num_tokens >= self.config.max_model_len:
             return 0
         return req.num_tokens - req.num_computed
 
-    def _row(self, req: Request, n: int) -> ScheduledRow:
+    def _row(self, req: Request, n: int, drafts: int = 0) -> ScheduledRow:
         start = req.num_computed
         sample = start + n == req.num_tokens
-        row = ScheduledRow(req.seq, req.token_ids(start, start + n), start, list(req.pages), sample,
-                           req.slot, req.sampling, req.num_prompt, req.num_output)
-        req.num_computed += n
+        row = ScheduledRow(req.seq, req.token_ids(start, start + n) + req.draft_tokens[:drafts], start,
+                           list(req.pages), sample, req.slot, req.sampling, req.num_prompt, req.num_output, drafts,
+                           -1 if sample else req.token_ids(start + n, start + n + 1)[0])
+        req.num_drafts_in_flight = drafts
+        req.num_computed += n + drafts
         if sample:
             req.num_placeholders += 1
         self._name_pages(req)
@@ -262,6 +292,7 @@ class Scheduler:
         self._release(req)
         req.num_computed = 0
         req.num_named_pages = 0
+        req.draft_tokens = []  # its recompute proposes new ones
         req.status = Status.WAITING
         req.num_preemptions += 1
         self.waiting.appendleft(req)
@@ -271,12 +302,22 @@ class Scheduler:
         `finish_reason` set) with their index in `result`. Requests finished meanwhile (aborted, or stopped by
         the step before) are skipped."""
         got: list[tuple[Request, int]] = []
-        for i, (seq, tok) in enumerate(zip(result.seqs, result.token_ids.tolist(), strict=True)):
+        for i, seq in enumerate(result.seqs):
             req = self._by_seq.get(seq)
             if req is None:
                 continue
             req.num_placeholders -= 1
-            reason = append_token(req, tok, self.config.max_model_len)
+            tokens = result.emitted(i)
+            # Rejected drafts: their positions' K/V are rewritten before anything reads them.
+            req.num_computed -= req.num_drafts_in_flight - (len(tokens) - 1)
+            req.last_num_drafts, req.num_drafts_in_flight = req.num_drafts_in_flight, 0
+            reason = None
+            for tok in tokens:  # an accepted run: a stop inside it ends the request there
+                reason = append_token(req, tok, self.config.max_model_len)
+                if reason is not None:
+                    break
+            if result.drafts is not None and reason is None:
+                req.draft_tokens = result.drafts[i].tolist()
             if req.status is Status.RUNNING:
                 self._name_pages(req)
             if reason is not None:

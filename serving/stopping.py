@@ -21,14 +21,12 @@ class TextState:
 
     detok: IncrementalDetokenizer | None
     stops: StopChecker
-    text: str = ""  # emitted so far (stop strings excluded)
-    delta: str = ""  # emitted by the latest token, for streaming
+    text: str = ""  # emitted so far (stop strings excluded); only ever grows, so streams send its new tail
 
     def push(self, token_id: int | None, final: bool) -> bool:
         """Add a token's text (None: no token, only the end when `final`); True when a stop string has been
         reached."""
         if self.detok is None:
-            self.delta = ""
             return False
         piece = self.detok.push(token_id) if token_id is not None else ""
         if final:
@@ -36,7 +34,6 @@ class TextState:
         new, stopped = self.stops.push(piece)
         if final and not stopped:
             new += self.stops.flush()
-        self.delta = new
         self.text += new
         return stopped
 

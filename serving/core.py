@@ -30,6 +30,7 @@ from typing import Any
 from m3jax.api import M3Model, embedded_model_path, load_model
 from m3jax.batch import KVPages
 from m3jax.config import PRESETS
+from m3jax.eagle import DraftPages
 from m3jax.settings import Settings
 from serving.executables import enable_xla_cache
 from serving.kv_cache import PageAllocator
@@ -134,8 +135,8 @@ class EngineCore:
         mcfg = model.cfg
         self.max_model_len = model_len(settings, mcfg.max_position_embeddings)
         self.eos_token_ids = frozenset(mcfg.eos_token_ids) | frozenset(tokenizer.eos_token_ids if tokenizer else ())
-        num_pages = self._num_pages()
         draft = load_draft(settings, model)
+        num_pages = self._num_pages(draft)
         self.num_speculative_tokens = draft.k if draft is not None else 0
         self.scheduler = Scheduler(
             SchedulerConfig(settings.max_num_seqs, settings.max_num_batched_tokens, self.max_model_len,
@@ -162,12 +163,14 @@ class EngineCore:
         self._thread: threading.Thread | None = None
         self._owner: int | None = None  # the one thread allowed to step
 
-    def _num_pages(self) -> int:
+    def _num_pages(self, draft: Draft | None) -> int:
         s = self.settings
         if s.kv_cache_pages is not None:
             return s.kv_cache_pages
         if s.kv_cache_memory_gb is not None:
             per_page = KVPages.bytes_per_page(self.model.cfg, self.model.dtype)
+            if draft is not None:  # the draft's pages go with the target's, one for one
+                per_page += DraftPages.bytes_per_page(draft.dcfg, self.model.page_size, self.model.dtype)
             return max(2, int(s.kv_cache_memory_gb * 2**30 // per_page))
         return 1 + s.max_num_seqs * -(-self.max_model_len // self.model.page_size)
 

@@ -29,7 +29,7 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -104,6 +104,18 @@ class InFlight:
     def dispatched(self) -> bool:
         """Whether the step's sampling is on the device (a deferred one waits for `ModelRunner.sample`)."""
         return self.out is not None or self.spec is not None
+
+
+class SpecInputs(NamedTuple):
+    """The host inputs of a speculative step (`spec_step`'s arguments after the device state, constraints
+    between `sampling` and `draft_next_L`)."""
+
+    batch: Batch
+    history_rows: HistoryRows
+    sampling: SamplingTensors
+    draft_next_L: np.ndarray  # i32[rows * (1 + k)]
+    row_next_R: np.ndarray  # i32[rows]
+    num_logits_R: np.ndarray  # i32[rows]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -360,9 +372,9 @@ class ModelRunner:
         """Logit rows per request row of a step: 1, or 1 + k with speculation (the constraints' grid)."""
         return 1 + self.draft.k if self.draft is not None else 1
 
-    def _launch_spec(self, scheduled: SchedulerOutput, constraints: TokenConstraints | None) -> InFlight:
-        """A speculative step: verification rows of 1 + drafts tokens, the draft's passes, in one executable.
-        `constraints` cover the [rows, 1 + k] grid of logit rows."""
+    def spec_inputs(self, scheduled: SchedulerOutput) -> tuple[int, SpecInputs]:
+        """Host arrays of a speculative step: (token bucket, inputs). Rows carry 1 + drafts tokens; the sampling
+        grid is [rows, 1 + k], each row's params at steps num_output + j."""
         W = self.logits_per_row
         num_tokens = self.bucket(scheduled.num_tokens)
         num_rows = self.rows_for(num_tokens)
@@ -383,26 +395,36 @@ class ModelRunner:
             row_next[i] = max(r.next_token, 0)
             if r.num_drafts:
                 draft_next[i, : r.num_drafts] = r.token_ids[-r.num_drafts:]
-        for i in range(num_rows):  # the sampling grid [rows, 1 + k]: each row's params at steps num_output + j
+        for i in range(num_rows):
             r = rows[i] if i < len(rows) else None
             for j in range(W):
-                params.append(r.sampling if r is not None else None)
+                params.append(r.sampling if r is not None else _GREEDY)
                 steps.append(r.num_output + j if r is not None else 0)
                 slots.append(r.slot if r is not None else -1)
-        sampling = SamplingTensors.build([p if p is not None else _GREEDY for p in params], steps, num_rows * W,
-                                         slots=slots, num_slots=S)
+        sampling = SamplingTensors.build(params, steps, num_rows * W, slots=slots, num_slots=S)
+        return num_tokens, SpecInputs(batch, history_rows, sampling, draft_next.reshape(-1), row_next, num_logits)
+
+    def run_spec(self, num_tokens: int, inputs: SpecInputs, constraints: TokenConstraints | None) -> SpecOutput:
+        """Dispatch a speculative step (`constraints` over its [rows, 1 + k] grid; None: none)."""
         if constraints is None:
-            constraints = self._empty_constraints(num_rows * W)
+            constraints = self._empty_constraints(inputs.sampling.num_rows)
+        self.kv, self.draft_pages, self.history, out = self.executable("spec", num_tokens)(
+            self.model.params, self.draft.params, self.kv, self.draft_pages, self.history, *inputs[:3], constraints,
+            *inputs[3:])
+        return out
+
+    def _launch_spec(self, scheduled: SchedulerOutput, constraints: TokenConstraints | None) -> InFlight:
+        """A speculative step: verification rows of 1 + drafts tokens, the draft's passes, in one executable."""
+        num_tokens, inputs = self.spec_inputs(scheduled)
         try:
-            self.kv, self.draft_pages, self.history, out = self.executable("spec", num_tokens)(
-                self.model.params, self.draft.params, self.kv, self.draft_pages, self.history, batch, history_rows,
-                sampling, constraints, draft_next.reshape(-1), row_next, num_logits)
+            out = self.run_spec(num_tokens, inputs, constraints)
         except Exception as e:
             self._reset_state()
             raise StepFailed(f"step failed: {e}") from e
+        rows = scheduled.rows
         sampled = [i for i, r in enumerate(rows) if r.sample]
         want = any(getattr(rows[i].sampling, "logprobs", None) is not None for i in sampled)
-        return InFlight(scheduled, [rows[i].seq for i in sampled], None, sampling, want, spec=out,
+        return InFlight(scheduled, [rows[i].seq for i in sampled], None, inputs.sampling, want, spec=out,
                         sampled_index=sampled)
 
     def _empty_constraints(self, rows: int) -> TokenConstraints:

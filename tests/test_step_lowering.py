@@ -29,3 +29,18 @@ def test_step_lowers_at_odd_sizes(model, max_model_len, max_num_seqs, max_num_ba
         text = lower_for_gpu(runner._fns[what], *args)
         if what == "forward":  # dense and block-sparse attention, index + top-k, both MoE GEMMs (and KV writes
             assert count_triton_kernels(text) >= 5, (what, size)  # from 1024 rows on)
+
+
+def test_speculative_step_lowers_with_the_published_draft_shapes(model):
+    """The whole speculative step (target over 1 + k rows, verification, the draft's k passes) for an H200, with
+    a draft of `Inferact/MiniMax-M3-EAGLE3-GQA`'s shapes."""
+    from checkpoints.eagle import inferact_draft_config
+    from m3jax.eagle import draft_abstract
+    from serving.runner import Draft
+
+    dcfg = inferact_draft_config(gqa=True).replace(aux_layer_ids=(1, 2, 3))
+    runner = ModelRunner(model, num_pages=8, max_num_seqs=32, max_num_batched_tokens=128, max_model_len=2100,
+                         draft=Draft(dcfg, draft_abstract(dcfg, "bfloat16"), 3))
+    args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), runner._abstract_args("spec", 128))
+    # The target's kernels, plus the draft's paged attention and KV writes.
+    assert count_triton_kernels(lower_for_gpu(runner._fns["spec"], *args)) >= 7

@@ -1,0 +1,166 @@
+"""The cost of a speculative step on the GPU, and the speed-up it projects at measured acceptance lengths.
+
+m3-slice (the real widths, 4 layers) with a random EAGLE-3 draft of the published M3 draft's shapes
+(`Inferact/MiniMax-M3-EAGLE3-GQA`: 6144 wide, 4 KV heads, own embedding and lm_head over 200,064 tokens). Random
+weights make acceptance meaningless, so this times the work: at batch B, each request `--context` tokens deep,
+- plain: the engine's decode step (forward of B single-token rows + sampling), back to back;
+- spec k: the engine's speculative step (the target over B rows of 1 + k tokens, verification, the draft's
+  first pass and k - 1 chained passes), back to back.
+Both are the executables the engine runs, timed inside their jitted graphs with only dispatch between them.
+
+A token then costs plain / 1 without speculation and spec_k / L with it, L the mean accepted length (accepted
+drafts + 1), so the projected speed-up is L * plain / spec_k, given here at InferenceX's M3 EAGLE3 acceptance
+lengths (SPEED-Bench coding, temperature 1.0). On the full 60-layer model the target's share of the step grows
+with its depth while the draft's does not, so these slice projections understate the full model's.
+
+    PYTHONPATH=. python benchmarks/bench_spec.py [--batches 1 8 32 64] [--ks 1 3] [--context 2048]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# InferenceX, MiniMax M3 + EAGLE3, SPEED-Bench coding at temperature 1.0: mean accepted length by k.
+ACCEPTANCE = {1: {"thinking_on": 1.78, "thinking_off": 1.84}, 3: {"thinking_on": 2.83, "thinking_off": 2.93}}
+
+
+def _rev() -> str:
+    return os.environ.get("M3JAX_GIT_REV") or subprocess.run(["git", "rev-parse", "--short", "HEAD"],
+                                                            capture_output=True, text=True).stdout.strip()
+
+
+def _time(fn: Any, steps: int) -> float:
+    """Seconds per call of `fn` dispatched back to back (it returns what to block on)."""
+    import jax
+
+    jax.block_until_ready([fn() for _ in range(3)])
+    t0 = time.perf_counter()
+    outs = [fn() for _ in range(steps)]
+    jax.block_until_ready(outs)
+    return (time.perf_counter() - t0) / steps
+
+
+def _rows(batch: int, context: int, k: int, pages_per_row: int, ps: int, vocab: int) -> list[Any]:
+    from serving.outputs import SamplingParams
+    from serving.scheduler import ScheduledRow
+
+    rng = np.random.default_rng(batch * 10 + k)
+    greedy = SamplingParams(temperature=0.0)
+    return [ScheduledRow(i, rng.integers(0, vocab, 1 + k).tolist(), context,
+                         list(range(1 + i * pages_per_row, 1 + (i + 1) * pages_per_row)), True, i, greedy, context, 0,
+                         k) for i in range(batch)]
+
+
+def _plain(model: Any, batch: int, context: int, num_pages: int, pages_per_row: int, max_len: int, steps: int
+           ) -> tuple[float, float]:
+    """(seconds per plain decode step, compile seconds)."""
+    import jax
+
+    from serving.runner import ModelRunner
+    from serving.sampling import TokenConstraints
+    from serving.scheduler import SchedulerOutput
+
+    vocab = model.cfg.vocab_size
+    plain = ModelRunner(model, num_pages, batch, batch, max_len)
+    scheduled = SchedulerOutput(_rows(batch, context, 0, pages_per_row, model.page_size, vocab), [])
+    num_tokens, forward_args, sampling, _ = plain.inputs(scheduled)
+    forward_args, sampling = jax.device_put((forward_args, sampling))
+    fwd, smp = plain.executable("forward", num_tokens), plain.executable("sample", sampling.num_rows)
+    constraints = jax.device_put(TokenConstraints.empty(sampling.num_rows, vocab))
+
+    def plain_step() -> Any:
+        plain.kv, plain.history, logits = fwd(model.params, plain.kv, plain.history, plain.prev_tokens, *forward_args)
+        plain.prev_tokens, out = smp(logits, plain.history, sampling, constraints)
+        return out.tokens
+
+    return _time(plain_step, steps), sum(e["seconds"] for e in plain.compile_log)
+
+
+def measure(model: Any, draft_cfg: Any, draft_params: Any, batch: int, context: int, ks: list[int], steps: int
+            ) -> dict[str, Any]:
+    import jax
+
+    from serving.runner import Draft, ModelRunner
+    from serving.scheduler import SchedulerOutput
+
+    ps = model.page_size
+    pages_per_row = -(-(context + 2 * max(ks) + 1) // ps)
+    num_pages = 1 + batch * pages_per_row
+    max_len = pages_per_row * ps
+    vocab = model.cfg.vocab_size
+    rec: dict[str, Any] = {"batch": batch, "context": context}
+
+    rec["plain_step_s"], rec["plain_compile_s"] = _plain(model, batch, context, num_pages, pages_per_row, max_len,
+                                                         steps)
+    for k in ks:
+        runner = ModelRunner(model, num_pages, batch, batch * (1 + k), max_len, draft=Draft(draft_cfg, draft_params, k))
+        scheduled = SchedulerOutput(_rows(batch, context, k, pages_per_row, ps, vocab), [])
+        num_tokens, inputs = runner.spec_inputs(scheduled)
+        inputs = jax.device_put(inputs)
+        runner.executable("spec", num_tokens)
+        rec[f"spec_k{k}_step_s"] = _time(lambda r=runner, n=num_tokens, x=inputs: r.run_spec(n, x, None).emitted, steps)
+        rec[f"spec_k{k}_compile_s"] = sum(e["seconds"] for e in runner.compile_log)
+        rec[f"spec_k{k}_over_plain"] = rec[f"spec_k{k}_step_s"] / rec["plain_step_s"]
+        for mode, length in ACCEPTANCE[k].items():
+            rec[f"speedup_k{k}_{mode}"] = length * rec["plain_step_s"] / rec[f"spec_k{k}_step_s"]
+        del runner
+    return rec
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="m3-slice")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
+    ap.add_argument("--ks", type=int, nargs="+", default=[1, 3])
+    ap.add_argument("--context", type=int, default=2048)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+
+    import jax
+    import jax.numpy as jnp
+
+    from checkpoints.eagle import inferact_draft_config, random_draft_params
+    from m3jax.api import M3Model
+    from m3jax.config import preset
+    from m3jax.params import init_params
+
+    cfg = preset(args.model)
+    dtype = "bfloat16" if jax.default_backend() == "gpu" else "float32"
+    t0 = time.perf_counter()
+    model = M3Model.create(cfg, init_params(cfg, seed=0, dtype=dtype), dtype)
+    # The published draft's shapes; its aux layers moved into the slice's depth (the first, middle and last).
+    # A model narrower than M3 (a CPU check of this script) gets a draft of its own width.
+    L = cfg.num_layers
+    dcfg = inferact_draft_config(gqa=True).replace(aux_layer_ids=(1, L // 2, L - 1))
+    if cfg.hidden_size != dcfg.target_hidden_size or cfg.vocab_size != dcfg.vocab_size:
+        dcfg = dcfg.replace(hidden_size=cfg.hidden_size, target_hidden_size=cfg.hidden_size, num_heads=4,
+                            num_kv_heads=2, head_dim=16, intermediate_size=2 * cfg.hidden_size,
+                            vocab_size=cfg.vocab_size, draft_vocab_size=cfg.vocab_size)
+    draft_params = random_draft_params(dcfg, seed=1, dtype=jnp.dtype(dtype))
+    print(f"model and draft ready in {time.perf_counter() - t0:.1f} s ({dcfg.param_count() / 1e9:.2f} B draft "
+          "parameters)", flush=True)
+    device = jax.devices()[0].device_kind
+    records = []
+    for b in args.batches:
+        rec = {"op": "spec_step", "model": args.model, **measure(model, dcfg, draft_params, b, args.context, args.ks,
+                                                                  args.steps),
+               "device": device, "git_rev": _rev(), "acceptance_lengths": ACCEPTANCE}
+        print(json.dumps(rec), flush=True)
+        records.append(rec)
+    name = "spec-h200.json" if "H200" in device else f"spec-{device.replace(' ', '_')}.json"
+    out = Path(args.out or f"benchmarks/results/{name}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(records, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The H200 runs behind docs/benchmarks.md's GPU figures, each case fitting one device call; cases combine in one
+# call: `bash benchmarks/run_h200.sh spec step` runs both.
+#   startup   serve cold/warm start-up, the engine's decode step, per-shape compile (issue 22)
+#   step      the engine's decode step alone (engine / bare)
+#   smoke     engine sizes that are not powers of two
+#   spec      a speculative step's cost against a plain decode step, and the projected speed-up (issue 24)
+set -x
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1 M3JAX_NO_PROGRESS=1
+nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv
+for what in "$@"; do
+  case "$what" in
+    startup)
+      timeout 300 python3 benchmarks/bench_startup.py serve --model m3-slice --max-num-seqs 128 \
+        --max-num-batched-tokens 8192 --cache-dir /tmp/m3c --out "$OUT/startup-h200.json"
+      M3JAX_COMPILATION_CACHE=/tmp/m3c timeout 150 python3 benchmarks/bench_engine_step.py --model m3-slice \
+        --batches 32 128 --context 1024 --out "$OUT/engine-step-h200.json"
+      timeout 150 python3 benchmarks/bench_startup.py shapes --buckets 256 8192 --out "$OUT/startup-shapes-h200.json"
+      ;;
+    step)
+      timeout "${STEP_TIMEOUT:-150}" python3 benchmarks/bench_engine_step.py --model m3-slice --batches 32 128 \
+        --context 1024 --max-num-batched-tokens 256 --out "$OUT/engine-step-h200.json"
+      ;;
+    smoke)
+      timeout "${SMOKE_TIMEOUT:-560}" python3 benchmarks/smoke_sizes.py --model m3-slice \
+        --out "$OUT/smoke-sizes-h200.json"
+      ;;
+    spec)
+      timeout "${SPEC_TIMEOUT:-240}" python3 benchmarks/bench_spec.py --batches 1 8 32 64 --ks 1 3 \
+        --context 2048 --out "$OUT/spec-h200.json"
+      ;;
+    *) echo "unknown case $what"; exit 2 ;;
+  esac
+done

@@ -54,8 +54,11 @@ def measure(core: Any, batch: int, context: int, steps: int) -> dict[str, Any]:
 
     # The bare step: the same executable on a fixed decode batch, dispatched back to back.
     runner = core.runner
-    rows = [ScheduledRow(r.seq, [int(rng.integers(0, cfg.vocab_size))], r.num_computed, list(r.pages), True, r.slot,
-                         r.sampling, r.num_prompt, r.num_output) for r in core.scheduler.running]
+    # Each row at its next position, or its last one when that would need a page it does not hold yet.
+    ps = core.model.page_size
+    rows = [ScheduledRow(r.seq, [int(rng.integers(0, cfg.vocab_size))], min(r.num_computed, len(r.pages) * ps - 1),
+                         list(r.pages), True, r.slot, r.sampling, r.num_prompt, r.num_output)
+            for r in core.scheduler.running]
     num_tokens, forward_args, sampling, _ = runner.inputs(SchedulerOutput(rows, []))
     forward_args, sampling = jax.device_put((forward_args, sampling))
     rows_n = sampling.num_rows

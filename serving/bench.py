@@ -134,6 +134,7 @@ class Client:
         self.model = model
         self.chat = endpoint == "chat"
         self.url = self.base_url + ("/v1/chat/completions" if self.chat else "/v1/completions")
+        self.api_key = api_key
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.temperature = temperature
 
@@ -191,7 +192,8 @@ class Client:
 
 
 async def _run_level(client: Client, workload: Workload, warmup: Workload, concurrency: int) -> tuple[
-        list[RequestResult], float, list[RequestResult]]:
+        list[RequestResult], float, list[RequestResult], float | None]:
+    """(results, seconds, warm-up results, the server's mean acceptance length over the measured requests)."""
     import aiohttp
 
     timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
@@ -207,9 +209,41 @@ async def _run_level(client: Client, workload: Workload, warmup: Workload, concu
             return list(await asyncio.gather(*(one(i) for i in range(len(w.prompts)))))
 
         warm = await run(warmup)
+        before = await asyncio.to_thread(spec_counters, client.base_url, client.api_key)
         t0 = time.perf_counter()
         results = await run(workload)
-        return results, time.perf_counter() - t0, warm
+        duration = time.perf_counter() - t0
+        after = await asyncio.to_thread(spec_counters, client.base_url, client.api_key)
+        return results, duration, warm, acceptance_length(before, after)
+
+
+def spec_counters(base_url: str, api_key: str | None) -> tuple[float, float] | None:
+    """(draft verifications, accepted draft tokens) so far, from the server's /metrics under vLLM's names; None
+    when it does not speculate (or has no /metrics)."""
+    import urllib.request
+
+    req = urllib.request.Request(base_url.rstrip("/") + "/metrics",
+                                 headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            text = resp.read().decode()
+    except (OSError, ValueError):
+        return None
+    totals = {"vllm:spec_decode_num_drafts_total": 0.0, "vllm:spec_decode_num_accepted_tokens_total": 0.0}
+    seen = False
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in totals:
+            totals[name] += float(line.rsplit(" ", 1)[1])
+            seen = True
+    return tuple(totals.values()) if seen else None  # type: ignore[return-value]
+
+
+def acceptance_length(before: tuple[float, float] | None, after: tuple[float, float] | None) -> float | None:
+    """Mean tokens a verification emits (1 + accepted drafts), between two `spec_counters` readings."""
+    if before is None or after is None or after[0] <= before[0]:
+        return None
+    return 1.0 + (after[1] - before[1]) / (after[0] - before[0])
 
 
 def server_card(base_url: str, api_key: str | None) -> dict[str, Any] | None:
@@ -327,8 +361,9 @@ def run(args: argparse.Namespace) -> int:
                                  avoid)
         warmup = make_workload(2 * c, args.input_len, args.output_len, args.range_ratio, args.seed + 10**6 + c,
                                vocab_arg, avoid)
-        results, duration, warm = asyncio.run(_run_level(client, workload, warmup, c))
+        results, duration, warm, accept = asyncio.run(_run_level(client, workload, warmup, c))
         metrics = compute_metrics(results, duration, args.num_gpus)
+        metrics["spec_acceptance_length"] = accept  # None: the server does not speculate
         errors = [r.error for r in results + warm if not r.ok][:5]
         record = {
             "config": {"base_url": args.base_url, "model": model, "endpoint": args.endpoint,
@@ -348,7 +383,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"[bench] c={c:<4} ok={metrics['completed']}/{n} req/s={metrics['request_throughput']:.2f} "
               f"out tok/s/GPU={metrics['output_throughput_per_gpu']:.1f} TTFT med={metrics['median_ttft_ms']:.1f}ms "
               f"TPOT med={metrics['median_tpot_ms']:.2f}ms ITL p99={metrics['p99_itl_ms']:.2f}ms "
-              f"interactivity={metrics['interactivity']:.1f} -> {path}", flush=True)
+              f"interactivity={metrics['interactivity']:.1f}"
+              + (f" acceptance length={accept:.2f}" if accept is not None else "") + f" -> {path}", flush=True)
         for e in errors:
             print(f"[bench]   error: {e}", file=sys.stderr)
     if not args.no_plot:

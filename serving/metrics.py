@@ -59,11 +59,13 @@ class _LoadCollector(Collector):
         self._readings = readings
 
     def collect(self) -> Iterable[Metric]:
+        families: dict[str, Metric] = {}  # readings of one name (one per label set) share a family
         for r in self._readings:
-            family = GaugeMetricFamily if r.kind == "gauge" else CounterMetricFamily
-            metric = family(r.name, r.doc, labels=[k for k, _ in r.labels])
-            metric.add_metric([v for _, v in r.labels], r.read())
-            yield metric
+            if r.name not in families:
+                family = GaugeMetricFamily if r.kind == "gauge" else CounterMetricFamily
+                families[r.name] = family(r.name, r.doc, labels=[k for k, _ in r.labels])
+            families[r.name].add_metric([v for _, v in r.labels], r.read())
+        yield from families.values()
 
 
 class ServerMetrics:

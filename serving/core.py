@@ -224,7 +224,7 @@ class EngineCore:
             eos_token_ids=self.eos_token_ids,
             sampling=params,
             text=TextState(detok, StopChecker(params.stops)),
-            grammar=self._compile_grammar(params),
+            grammar=self.compile_grammar(params),
             # The penalty history is recorded on the device from the tokens a step feeds: a request that skipped
             # its cached prefix would miss them.
             use_prefix_cache=not uses_penalty(params),
@@ -253,7 +253,9 @@ class EngineCore:
             group.append((req, text))
         return group
 
-    def _compile_grammar(self, params: SamplingParams) -> Any:
+    def compile_grammar(self, params: SamplingParams) -> Any:
+        """The request's compiled grammar (a copy from the cache when this grammar was compiled before), or None;
+        ValueError for a grammar, schema or regex that is not valid."""
         if params.structured_outputs is None:
             return None
         if self.tokenizer is None:

@@ -8,15 +8,22 @@ UNAVAILABLE; a missing or wrong API key -> UNAUTHENTICATED; an engine failure af
 INTERNAL. grpc.aio cancels the handler task when the client cancels or the deadline passes; the handler's
 `async with RequestStream` then aborts the engine request and frees its pages. Prompts are tokenised (chat
 templates rendered) on a worker thread. One access log line per Generate call (logger `m3jax.access`).
+
+The same features as the HTTP server: n choices (each message carries its `index`), logit_bias, structured
+outputs, and for chat requests tools / tool_choice (forced calls by grammar), the reasoning split
+(`reasoning_text`) and tool calls (`tool_calls` deltas, FINISH_REASON_TOOL_CALLS), through the same
+`OutputPlan` / `MessageParser` (serving/server.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -25,7 +32,19 @@ from grpc_reflection.v1alpha import reflection
 from serving.outputs import RequestOutput, SamplingParams
 from serving.proto import m3jax_pb2 as pb
 from serving.proto import m3jax_pb2_grpc as pb_grpc
-from serving.server import Overloaded, PromptSource, RequestStream, ServingCore, ShuttingDown, request_log_fields
+from serving.server import (
+    MessageParser,
+    OutputPlan,
+    Overloaded,
+    PromptSource,
+    RequestError,
+    RequestStream,
+    ServingCore,
+    ShuttingDown,
+    check_template_kwargs,
+    request_log_fields,
+)
+from serving.structured import StructuredOutputsParams
 
 log = logging.getLogger(__name__)
 access_log = logging.getLogger("m3jax.access")
@@ -33,12 +52,32 @@ RETRY_AFTER_SECONDS = 1
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["M3Jax"].full_name
 
-_FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
+_FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT,
+           "tool_calls": pb.FINISH_REASON_TOOL_CALLS}
 
 # proto3 `optional` fields of SamplingParams map one to one onto serving.outputs.SamplingParams; unset ones
 # keep that class's defaults.
 _OPTIONAL_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "logprobs",
-                    "repetition_penalty", "presence_penalty", "frequency_penalty", "skip_special_tokens")
+                    "repetition_penalty", "presence_penalty", "frequency_penalty", "skip_special_tokens", "n")
+
+
+def structured_outputs(msg: pb.StructuredOutputs) -> StructuredOutputsParams | None:
+    kind = msg.WhichOneof("kind")
+    if kind is None:
+        return None
+    if kind == "json_schema":
+        try:
+            schema = json.loads(msg.json_schema)
+        except ValueError as e:
+            raise ValueError(f"structured_outputs.json_schema is not valid JSON: {e}") from None
+        return StructuredOutputsParams(json=schema)
+    if kind == "json_object":
+        if not msg.json_object:
+            raise ValueError("structured_outputs.json_object: set it to true (or leave structured_outputs unset)")
+        return StructuredOutputsParams(json_object=True)
+    if kind == "choice":
+        return StructuredOutputsParams(choice=list(msg.choice.choices))
+    return StructuredOutputsParams(**{kind: getattr(msg, kind)})
 
 
 def sampling_params(msg: pb.SamplingParams) -> SamplingParams:
@@ -49,7 +88,39 @@ def sampling_params(msg: pb.SamplingParams) -> SamplingParams:
     if msg.stop_token_ids:
         kwargs["stop_token_ids"] = list(msg.stop_token_ids)
     kwargs["ignore_eos"] = msg.ignore_eos
+    if msg.logit_bias:
+        kwargs["logit_bias"] = {int(t): float(b) for t, b in msg.logit_bias.items()}
+    if msg.HasField("structured_outputs"):
+        kwargs["structured_outputs"] = structured_outputs(msg.structured_outputs)
     return SamplingParams(**kwargs)  # type: ignore[arg-type]
+
+
+def _tools(chat: pb.Chat) -> list[dict[str, Any]] | None:
+    tools = []
+    for i, t in enumerate(chat.tools):
+        fn: dict[str, Any] = {"name": t.name}
+        if t.description:
+            fn["description"] = t.description
+        if t.parameters:
+            try:
+                fn["parameters"] = json.loads(t.parameters)
+            except ValueError as e:
+                raise ValueError(f"chat.tools[{i}].parameters is not valid JSON: {e}") from None
+        tools.append({"type": "function", "function": fn})
+    return tools or None
+
+
+def _message(m: pb.ChatMessage) -> dict[str, Any]:
+    out: dict[str, Any] = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        out["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                             for c in m.tool_calls]
+        if not m.content:
+            out["content"] = None
+    for field in ("tool_call_id", "reasoning_content", "name"):
+        if getattr(m, field):
+            out[field] = getattr(m, field)
+    return out
 
 
 class M3JaxServicer(pb_grpc.M3JaxServicer):
@@ -67,18 +138,35 @@ class M3JaxServicer(pb_grpc.M3JaxServicer):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED,
                                 "missing or wrong API key: send metadata `authorization: Bearer <key>`")
 
-    def _prompt(self, request: pb.GenerateRequest) -> PromptSource:
+    def _prompt(self, request: pb.GenerateRequest) -> tuple[PromptSource, OutputPlan]:
+        """The prompt, and what the output goes through (RequestError / ValueError for a bad request)."""
         kind = request.WhichOneof("prompt")
+        sampling = request.sampling
+        structured = "sampling.structured_outputs" if sampling.HasField("structured_outputs") else None
         if kind == "text":
             if not request.text:
                 raise ValueError("the prompt is empty")
-            return request.text
+            return request.text, OutputPlan(structured_param=structured)
         if kind == "token_ids":
-            return list(request.token_ids.ids)
+            return list(request.token_ids.ids), OutputPlan(structured_param=structured)
         if kind == "chat":
-            messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+            chat = request.chat
+            tools = _tools(chat)
+            which = chat.WhichOneof("tool_choice")
+            choice: Any = None
+            if which == "tool_choice_mode":
+                choice = chat.tool_choice_mode
+            elif which == "tool_choice_function":
+                choice = {"type": "function", "function": {"name": chat.tool_choice_function}}
+            keep = sampling.HasField("skip_special_tokens") and not sampling.skip_special_tokens
+            parallel = chat.parallel_tool_calls if chat.HasField("parallel_tool_calls") else True
+            plan = self.core.chat_plan(tools, choice, parallel, keep, structured)
+            kwargs = check_template_kwargs(chat.chat_template_kwargs)
+            if tools:
+                kwargs["tools"] = tools
+            messages = [_message(m) for m in chat.messages]
             # Rendered and tokenised on a worker thread, when the stream starts.
-            return functools.partial(self.core.encode_chat, messages)
+            return functools.partial(self.core.encode_chat, messages, **kwargs), plan
         raise ValueError("the request has no prompt: set one of text, token_ids or chat")
 
     async def Generate(self, request: pb.GenerateRequest,  # noqa: N802 - the name comes from the proto
@@ -93,11 +181,11 @@ class M3JaxServicer(pb_grpc.M3JaxServicer):
                 code = grpc.StatusCode.UNAUTHENTICATED
                 await self._authorize(context)
             try:
-                prompt = self._prompt(request)
                 params = sampling_params(request.sampling)
+                prompt, plan = self._prompt(request)
                 given = "max_tokens" if request.sampling.HasField("max_tokens") else None
                 stream = self.core.open(prompt, params, "grpc", request.request_id or None, prefix="grpc",
-                                        max_tokens_param=given)
+                                        max_tokens_param=given, plan=plan)
             except ValueError as e:
                 code = grpc.StatusCode.INVALID_ARGUMENT
                 await context.abort(code, str(e))
@@ -110,13 +198,14 @@ class M3JaxServicer(pb_grpc.M3JaxServicer):
                 code = grpc.StatusCode.UNAVAILABLE
                 await context.abort(code, str(e))
             async with stream:
-                first, sent_logprobs = True, 0
+                answer = _Answer(stream, request.WhichOneof("prompt") == "chat")
                 try:
                     async for out in stream:
-                        yield self._response(stream, out, first, sent_logprobs)
-                        first = False
-                        sent_logprobs = len(out.outputs[0].logprobs or ())
-                except ValueError as e:  # raised before the first token: the request is refused
+                        yield answer.response(out)
+                except RequestError as e:  # raised before the first token: the request is refused
+                    code = grpc.StatusCode.INVALID_ARGUMENT
+                    await context.abort(code, f"{e.param}: {e}" if e.param and e.param not in str(e) else str(e))
+                except ValueError as e:
                     code = grpc.StatusCode.INVALID_ARGUMENT
                     await context.abort(code, str(e))
                 except RuntimeError as e:
@@ -133,27 +222,6 @@ class M3JaxServicer(pb_grpc.M3JaxServicer):
             access_log.info("%s gRPC Generate %s %.3fs%s", peer, code.name, fields["latency"], extra,
                             extra=fields)
 
-    @staticmethod
-    def _response(stream: RequestStream, out: RequestOutput, first: bool, sent_logprobs: int) -> pb.GenerateResponse:
-        c = out.outputs[0]
-        msg = pb.GenerateResponse(request_id=stream.request_id, token_ids=out.delta_token_ids, text=out.delta_text)
-        if first:
-            msg.prompt_token_ids.extend(out.prompt_token_ids)
-        for lp in (c.logprobs or [])[sent_logprobs:]:
-            msg.logprobs.append(pb.TokenLogprob(
-                token_id=lp.token_id, logprob=lp.logprob,
-                top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top.items()]))
-        if out.finished:
-            msg.finish_reason = _FINISH.get(c.finish_reason or "", pb.FINISH_REASON_UNSPECIFIED)
-            if isinstance(c.stop_reason, str):
-                msg.stop_string = c.stop_reason
-            elif isinstance(c.stop_reason, int):
-                msg.stop_token_id = c.stop_reason
-            n_prompt, n_out = len(out.prompt_token_ids), len(c.token_ids)
-            msg.usage.CopyFrom(pb.Usage(prompt_tokens=n_prompt, completion_tokens=n_out,
-                                        total_tokens=n_prompt + n_out))
-        return msg
-
     async def Abort(self, request: pb.AbortRequest,  # noqa: N802
                     context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         await self._authorize(context)
@@ -163,6 +231,65 @@ class M3JaxServicer(pb_grpc.M3JaxServicer):
                         context: grpc.aio.ServicerContext) -> pb.ModelInfoResponse:
         await self._authorize(context)
         return pb.ModelInfoResponse(**self.core.model_info())
+
+
+class _Answer:
+    """The GenerateResponses of one request: per choice, what has been sent and its message parser."""
+
+    def __init__(self, stream: RequestStream, chat: bool):
+        self.stream = stream
+        self.parse = chat and stream.plan.parses
+        self.first = True
+        self.sent_logprobs: dict[int, int] = {}
+        self.parsers: dict[int, MessageParser] = {}
+        self.completion_tokens = 0
+
+    def response(self, out: RequestOutput) -> pb.GenerateResponse:
+        c = out.outputs[0]
+        plan = self.stream.plan
+        msg = pb.GenerateResponse(request_id=self.stream.request_id, token_ids=out.delta_token_ids, index=c.index)
+        if self.first:
+            msg.prompt_token_ids.extend(out.prompt_token_ids)
+            self.first = False
+        parser = None
+        if self.parse:
+            parser = self.parsers.setdefault(c.index, MessageParser(plan))
+            parts = [parser.push(out.delta_text)] if out.delta_text else []
+            if out.finished:
+                parts.append(parser.finish())
+            msg.text = "".join(p.content for p in parts)
+            msg.reasoning_text = "".join(p.reasoning for p in parts)
+            for p in parts:
+                for call in p.tool_calls:
+                    fn = call.get("function", {})
+                    msg.tool_calls.append(pb.ToolCallDelta(index=call["index"], id=call.get("id", ""),
+                                                           name=fn.get("name", ""),
+                                                           arguments=fn.get("arguments", "")))
+        else:
+            msg.text = out.delta_text
+        sent = self.sent_logprobs.get(c.index, 0)
+        for lp in (c.logprobs or [])[sent:]:
+            msg.logprobs.append(pb.TokenLogprob(
+                token_id=lp.token_id, logprob=lp.logprob,
+                top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top.items()]))
+        self.sent_logprobs[c.index] = len(c.logprobs or ())
+        if out.finished:
+            reason, stop = c.finish_reason, c.stop_reason
+            if parser is not None:
+                reason, stop = parser.finish_reason(reason), parser.stop_reason(stop)
+            elif stop is not None and stop == plan.internal_stop:
+                stop = None
+            msg.finish_reason = _FINISH.get(reason or "", pb.FINISH_REASON_UNSPECIFIED)
+            if isinstance(stop, str):
+                msg.stop_string = stop
+            elif isinstance(stop, int):
+                msg.stop_token_id = stop
+            self.completion_tokens += len(c.token_ids)
+            if self.stream.choices_left == 0:  # the stream's last message: usage of every choice
+                n_prompt = len(out.prompt_token_ids)
+                msg.usage.CopyFrom(pb.Usage(prompt_tokens=n_prompt, completion_tokens=self.completion_tokens,
+                                            total_tokens=n_prompt + self.completion_tokens))
+        return msg
 
 
 class GrpcServer:

@@ -7,13 +7,20 @@ Requests are checked field by field before anything runs, and every refusal is a
 take / unknown fields, 401 for a missing API key, 404 for an unknown model (`model_not_found`), 413 for a body over
 the limit (refused from its Content-Length, before it is read), 429 for back-pressure (with `Retry-After`), 503
 while shutting down. Nothing a client asks for is silently changed: what OpenAI's API has and this server does not
-(`UNSUPPORTED`: n > 1, tools, JSON mode, logit_bias, ...) is a 400 naming the field, and so is a max_tokens that
-does not fit the model length after the prompt (vLLM's rule). Large bodies are parsed, and every prompt is
-tokenised, on worker threads: the event loop, and with it /health and every other stream, never waits for them.
+(`UNSUPPORTED`: prompt_logprobs, suffix, min_tokens, the legacy functions, ...) is a 400 naming the field, and so is
+a max_tokens that does not fit the model length after the prompt (vLLM's rule). Large bodies are parsed, and every
+prompt is tokenised, on worker threads: the event loop, and with it /health and every other stream, never waits
+for them.
+
+Both endpoints take `n` (choices with their index; chunks per choice when streaming; usage sums them), `logit_bias`
+and structured output (`response_format` json_object / json_schema, vLLM's `structured_outputs` and `guided_*`);
+completions take `echo` (not with `logprobs`: that needs prompt logprobs). Chat takes `tools`, `tool_choice`,
+`parallel_tool_calls` and `chat_template_kwargs` (M3's `thinking_mode`), and its replies are split into
+`reasoning_content`, `content` and `tool_calls` (serving/server.py `OutputPlan`, `MessageParser`).
 
 Extras in vLLM's spelling: top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids, skip_special_tokens,
 chat_template_kwargs, add_generation_prompt, return_token_ids (token ids in each choice: `token_ids`, and
-`prompt_token_ids` in the first).
+`prompt_token_ids` in its first chunk).
 
 One access log line per request (logger `m3jax.access`; /health and /metrics at DEBUG): method, path, status,
 latency, and for generation requests the request id, prompt and completion tokens and finish reason.
@@ -35,17 +42,23 @@ from aiohttp import web
 
 from serving.core import Prompt
 from serving.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from serving.outputs import Logprob, RequestOutput, SamplingParams
+from serving.outputs import MAX_N, Logprob, RequestOutput, SamplingParams
+from serving.sampling import MAX_LOGIT_BIAS
 from serving.server import (
+    MessageParser,
+    OutputPlan,
     Overloaded,
     PromptSource,
     RequestError,
     RequestStream,
     ServingCore,
     ShuttingDown,
+    check_template_kwargs,
+    check_tools,
     request_log_fields,
     version,
 )
+from serving.structured import StructuredOutputsParams
 
 log = logging.getLogger(__name__)
 access_log = logging.getLogger("m3jax.access")
@@ -200,24 +213,28 @@ class Options:
     # The field in which the client set max_tokens (named in the error when it does not fit the model length),
     # or None: not set, `SamplingParams.max_tokens` is a default that is lowered to what fits.
     max_tokens_param: str | None = None
+    echo: bool = False  # completions: the prompt's text before each choice's text
+    structured_param: str | None = None  # the field that asked for structured output
+    keep_special: bool = False  # the client set skip_special_tokens=false
 
 
 # ---- which fields a request may carry -------------------------------------------------------------------------
 
 # The fields each endpoint reads (besides those of UNSUPPORTED at their neutral values).
+STRUCTURED_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                     "guided_grammar")
 _SAMPLING = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
              "ignore_eos", "logprobs", "repetition_penalty", "presence_penalty", "frequency_penalty",
-             "skip_special_tokens", "stream", "stream_options", "return_token_ids"}
-COMPLETION_FIELDS = frozenset(_SAMPLING | {"prompt"})
+             "skip_special_tokens", "stream", "stream_options", "return_token_ids", "n", "best_of", "logit_bias",
+             *STRUCTURED_FIELDS}
+COMPLETION_FIELDS = frozenset(_SAMPLING | {"prompt", "echo"})
 CHAT_FIELDS = frozenset(_SAMPLING | {"messages", "max_completion_tokens", "top_logprobs", "chat_template_kwargs",
-                                     "add_generation_prompt"})
+                                     "add_generation_prompt", "tools", "tool_choice", "parallel_tool_calls"})
 TOKENIZE_FIELDS = frozenset({"model", "prompt", "messages", "add_generation_prompt", "chat_template_kwargs",
-                             "return_token_strs"})
+                             "return_token_strs", "tools"})
 DETOKENIZE_FIELDS = frozenset({"model", "tokens"})
-# OpenAI's bookkeeping fields, which never change what is generated: accepted, not used. (`parallel_tool_calls`
-# only means something with `tools`, which are refused.)
-IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
-                            "parallel_tool_calls"})
+# OpenAI's bookkeeping fields, which never change what is generated: accepted, not used.
+IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key"})
 
 
 def _absent(v: Any) -> bool:
@@ -227,24 +244,13 @@ def _absent(v: Any) -> bool:
 # OpenAI and vLLM request fields this server does not implement yet: (the values that ask for nothing, what the
 # field is for). A request that sets one to anything else gets a 400 naming it, rather than an answer that
 # silently ignores it. Implementing one = removing its entry and reading the field in `sampling_params` (and the
-# endpoint's *_FIELDS above).
+# endpoint's *_FIELDS above). `echo` is read by /v1/completions only.
 UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "n": (lambda v: v == 1, "only n=1 is supported, got n={value}: send several requests for several samples"),
-    "best_of": (lambda v: v == 1, "only best_of=1 is supported"),
-    "echo": (lambda v: v is False, "echoing the prompt"),
+    "echo": (lambda v: v is False, "echoing the prompt: only /v1/completions echoes it"),
     "suffix": (lambda v: v == "", "insertion after a suffix"),
-    "logit_bias": (lambda v: v == {}, "logit biases"),
-    "tools": (lambda v: v == [], "tool calling"),
-    "tool_choice": (lambda v: v == "none", "tool calling"),
-    "functions": (lambda v: v == [], "function calling"),
-    "function_call": (lambda v: v == "none", "function calling"),
-    "response_format": (lambda v: v == {"type": "text"}, "JSON mode and structured output"),
-    "structured_outputs": (_absent, "structured output"),
-    "guided_json": (_absent, "structured output"),
-    "guided_regex": (_absent, "structured output"),
-    "guided_choice": (_absent, "structured output"),
-    "guided_grammar": (_absent, "structured output"),
-    "reasoning_effort": (_absent, "reasoning effort"),
+    "functions": (lambda v: v == [], "the legacy function calling: send `tools`"),
+    "function_call": (lambda v: v == "none", "the legacy function calling: send `tool_choice`"),
+    "reasoning_effort": (_absent, "reasoning effort: M3's is chat_template_kwargs.thinking_mode"),
     "include_stop_str_in_output": (lambda v: v is False, "stop strings in the output"),
     "min_tokens": (lambda v: v == 0, "a minimum output length"),
     "prompt_logprobs": (_absent, "prompt logprobs"),
@@ -277,6 +283,91 @@ def check_fields(body: dict[str, Any], known: frozenset[str]) -> None:
             raise APIError(f"`{name}` is not supported by this server ({what}); send the request without it",
                            param=name)
         raise APIError(f"unknown field `{name}`: this endpoint does not take it", param=name)
+
+
+def logit_bias(v: object) -> dict[int, float] | None:
+    """OpenAI's `logit_bias`: token ids (as JSON object keys, so strings) -> a bias in [-100, 100]."""
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise APIError(f"`logit_bias` must be an object mapping token ids to biases, got {_json_type(v)}",
+                       param="logit_bias")
+    if len(v) > MAX_LOGIT_BIAS:
+        raise APIError(f"`logit_bias` has {len(v)} entries; at most {MAX_LOGIT_BIAS} are allowed", param="logit_bias")
+    out: dict[int, float] = {}
+    for key, bias in v.items():
+        if not (isinstance(key, str) and key.strip().isdigit()):
+            raise APIError(f"`logit_bias` key {key!r} is not a token id (a non-negative integer)", param="logit_bias")
+        if isinstance(bias, bool) or not isinstance(bias, int | float) or not -100 <= bias <= 100:
+            raise APIError(f"`logit_bias[{key!r}]` must be a number in [-100, 100], got {bias!r}",
+                           param="logit_bias")
+        out[int(key)] = float(bias)
+    return out or None
+
+
+_STRUCTURED_KEYS = {"json": (dict, str), "json_object": (bool,), "regex": (str,), "choice": (list,),
+                    "grammar": (str,)}
+
+
+def structured_outputs(body: dict[str, Any]) -> tuple[StructuredOutputsParams | None, str | None]:
+    """(what the output must follow, the field that asked for it): OpenAI's `response_format` (json_object,
+    json_schema), vLLM's `structured_outputs` object and its older `guided_*` fields. At most one of them."""
+    asked: list[tuple[str, dict[str, Any]]] = []
+    fmt = body.get("response_format")
+    if fmt is not None:
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind == "json_object":
+            asked.append(("response_format", {"json_object": True}))
+        elif kind == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+                raise APIError('`response_format` json_schema needs `"json_schema": {"name": ..., "schema": '
+                               "{...}}`", param="response_format")
+            if spec.get("name") is not None and not isinstance(spec["name"], str):
+                raise APIError("`response_format.json_schema.name` must be a string", param="response_format")
+            # `strict`: the schema is always enforced by constrained decoding, strict or not.
+            asked.append(("response_format", {"json": spec["schema"]}))
+        elif kind != "text":
+            raise APIError('`response_format` must be {"type": "text"}, {"type": "json_object"} or {"type": '
+                           f'"json_schema", "json_schema": {{...}}}}, got {fmt!r}'[:300], param="response_format")
+    so = body.get("structured_outputs")
+    if so is not None:
+        if not isinstance(so, dict):
+            raise APIError(f"`structured_outputs` must be an object, got {_json_type(so)}",
+                           param="structured_outputs")
+        given = {k: v for k, v in so.items() if v is not None and v is not False}
+        for k, v in given.items():
+            if k not in _STRUCTURED_KEYS:
+                raise APIError(f"`structured_outputs.{k}` is not supported by this server (it takes "
+                               f"{', '.join(_STRUCTURED_KEYS)})", param="structured_outputs")
+            if not isinstance(v, _STRUCTURED_KEYS[k]):
+                want = " or ".join(_JSON_NAMES[t] for t in _STRUCTURED_KEYS[k])
+                raise APIError(f"`structured_outputs.{k}` must be {want}", param="structured_outputs")
+        asked.append(("structured_outputs", given))
+    for name, key, kinds in (("guided_json", "json", (dict, str)), ("guided_regex", "regex", (str,)),
+                             ("guided_choice", "choice", (list,)), ("guided_grammar", "grammar", (str,))):
+        v = body.get(name)
+        if v is None:
+            continue
+        if not isinstance(v, kinds):
+            raise APIError(f"`{name}` must be {' or '.join(_JSON_NAMES[t] for t in kinds)}, got {_json_type(v)}",
+                           param=name)
+        asked.append((name, {key: v}))
+    if not asked:
+        return None, None
+    if len(asked) > 1:
+        names = ", ".join(f"`{n}`" for n, _ in asked)
+        raise APIError(f"{names} each ask for structured output: send one", param=asked[1][0])
+    name, kwargs = asked[0]
+    try:
+        params = StructuredOutputsParams(**kwargs)
+        params.validate()
+    except ValueError as e:
+        raise APIError(f"`{name}`: {e}", param=name) from None
+    return params, name
+
+
+_JSON_NAMES = {str: "a string", bool: "a boolean", list: "an array", dict: "an object"}
 
 
 def sampling_params(body: dict[str, Any], *, chat: bool, max_model_len: int) -> tuple[SamplingParams, Options]:
@@ -313,6 +404,18 @@ def sampling_params(body: dict[str, Any], *, chat: bool, max_model_len: int) -> 
     if stream_options is not None and not stream:
         raise APIError("`stream_options` is only allowed with `stream: true`", param="stream_options")
     include_usage = _get(stream_options or {}, "include_usage", bool, False)
+    n = _get(body, "n", int, 1)
+    if not 1 <= n <= MAX_N:
+        raise APIError(f"`n` must be in [1, {MAX_N}], got {n}", param="n")
+    best_of = _get(body, "best_of", int)
+    if best_of is not None and best_of != n:
+        raise APIError(f"`best_of` {best_of} differs from `n` {n}: ranking samples (best_of > n) is not supported; "
+                       "this server returns every sample it draws", param="best_of")
+    echo = _get(body, "echo", bool, False) if not chat else False
+    if echo and logprobs is not None:
+        raise APIError("`echo` with `logprobs` needs the prompt's logprobs, which this server does not compute "
+                       "yet: send one of them", param="echo")
+    structured, structured_param = structured_outputs(body)
     kwargs: dict[str, Any] = {
         "max_tokens": max_tokens,
         "temperature": _get(body, "temperature", float, 1.0),
@@ -328,6 +431,9 @@ def sampling_params(body: dict[str, Any], *, chat: bool, max_model_len: int) -> 
         "presence_penalty": _get(body, "presence_penalty", float, 0.0),
         "frequency_penalty": _get(body, "frequency_penalty", float, 0.0),
         "skip_special_tokens": _get(body, "skip_special_tokens", bool, True),
+        "n": n,
+        "logit_bias": logit_bias(body.get("logit_bias")),
+        "structured_outputs": structured,
     }
     try:
         params = SamplingParams(**kwargs)
@@ -336,7 +442,8 @@ def sampling_params(body: dict[str, Any], *, chat: bool, max_model_len: int) -> 
         if named == "max_tokens" and param is not None:
             named = param
         raise APIError(str(e), param=named) from None
-    return params, Options(stream, include_usage, _get(body, "return_token_ids", bool, False), param)
+    return params, Options(stream, include_usage, _get(body, "return_token_ids", bool, False), param, echo,
+                           structured_param, body.get("skip_special_tokens") is False)
 
 
 # ---- responses -----------------------------------------------------------------------------------------------
@@ -346,23 +453,48 @@ def _dumps(obj: Any) -> bytes:
     return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
 
 
-def _usage(out: RequestOutput) -> dict[str, int]:
-    p, c = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
+def _usage(finals: dict[int, RequestOutput]) -> dict[str, int]:
+    """Usage of a request: its prompt once, the completion tokens of every choice."""
+    outs = list(finals.values())
+    p = len(outs[0].prompt_token_ids) if outs else 0
+    c = sum(len(o.outputs[0].token_ids) for o in outs)
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
-class _Answer:
-    """Builds the OpenAI objects of one request, streaming or not (completions or chat)."""
+class _Choice:
+    """One choice of an answer: what has been sent of it, and its message parser (chat with parsers)."""
 
-    def __init__(self, server: HttpServer, stream: RequestStream, chat: bool, options: Options):
+    def __init__(self, index: int, parser: MessageParser | None):
+        self.index = index
+        self.parser = parser
+        self.sent_logprobs = 0
+        self.text_offset = 0
+        self.started = False
+
+
+class _Answer:
+    """Builds the OpenAI objects of one request, streaming or not (completions or chat), for each of its
+    choices. Chat replies of a request with parsers (`OutputPlan.parses`) are split into reasoning_content,
+    content and tool_calls; completions may echo the prompt."""
+
+    def __init__(self, server: HttpServer, stream: RequestStream, chat: bool, options: Options,
+                 echo: str | None = None):
         self.server, self.chat, self.options = server, chat, options
+        self.plan: OutputPlan = stream.plan
+        self.parse = chat and self.plan.parses
+        self.echo = echo
         self.id = stream.request_id
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
-        self.sent_logprobs = 0
-        self.text_offset = 0
+        self.choices: dict[int, _Choice] = {}
+        self.finals: dict[int, RequestOutput] = {}  # each choice's finished output
 
-    def _logprobs(self, entries: list[Logprob]) -> dict[str, Any]:
+    def choice(self, index: int) -> _Choice:
+        if index not in self.choices:
+            self.choices[index] = _Choice(index, MessageParser(self.plan) if self.parse else None)
+        return self.choices[index]
+
+    def _logprobs(self, st: _Choice, entries: list[Logprob]) -> dict[str, Any]:
         tok = self.server.token_str
         if self.chat:
             return {"content": [{
@@ -372,59 +504,104 @@ class _Answer:
             } for e in entries]}
         offsets = []
         for e in entries:
-            offsets.append(self.text_offset)
-            self.text_offset += len(tok(e.token_id))
+            offsets.append(st.text_offset)
+            st.text_offset += len(tok(e.token_id))
         return {"tokens": [tok(e.token_id) for e in entries], "token_logprobs": [e.logprob for e in entries],
                 "top_logprobs": [{tok(t): v for t, v in e.top.items()} for e in entries], "text_offset": offsets}
 
-    def _choice(self, out: RequestOutput, text: str, token_ids: list[int], first: bool,
-                stream: bool) -> dict[str, Any]:
+    def _choice(self, out: RequestOutput, body: dict[str, Any], token_ids: list[int], st: _Choice
+                ) -> dict[str, Any]:
+        """The choice object around `body` (its message, delta or text)."""
         c = out.outputs[0]
-        entries = (c.logprobs or [])[self.sent_logprobs:] if c.logprobs is not None else None
-        self.sent_logprobs = len(c.logprobs or ())
-        choice: dict[str, Any] = {"index": 0}
-        if self.chat and stream:
-            choice["delta"] = {"content": text}
-        elif self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        choice["logprobs"] = self._logprobs(entries) if entries is not None else None
-        choice["finish_reason"] = c.finish_reason if out.finished else None
-        choice["stop_reason"] = c.stop_reason if out.finished else None
+        entries = (c.logprobs or [])[st.sent_logprobs:] if c.logprobs is not None else None
+        st.sent_logprobs = len(c.logprobs or ())
+        choice: dict[str, Any] = {"index": c.index, **body}
+        choice["logprobs"] = self._logprobs(st, entries) if entries is not None else None
+        finish, stop = (c.finish_reason, c.stop_reason) if out.finished else (None, None)
+        if st.parser is not None and out.finished:
+            finish, stop = st.parser.finish_reason(finish), st.parser.stop_reason(stop)
+        elif stop is not None and stop == self.plan.internal_stop:
+            stop = None
+        choice["finish_reason"], choice["stop_reason"] = finish, stop
         if self.options.return_token_ids:
             choice["token_ids"] = token_ids
-            if first:
+            if not st.started:
                 choice["prompt_token_ids"] = out.prompt_token_ids
+        st.started = True
         return choice
+
+    def _message(self, st: _Choice, text: str) -> dict[str, Any]:
+        """A whole chat message from the whole text of a choice."""
+        if st.parser is None:
+            return {"role": "assistant", "content": text}
+        st.parser.push(text)
+        st.parser.finish()
+        message: dict[str, Any] = {"role": "assistant", "content": st.parser.content}
+        if self.plan.reasoning:
+            message["reasoning_content"] = st.parser.reasoning
+        if self.plan.tools is not None:
+            message["tool_calls"] = st.parser.tool_calls
+        return message
+
+    def _delta(self, st: _Choice, text: str, finished: bool) -> dict[str, Any]:
+        if st.parser is None:
+            return {"content": text}
+        d = st.parser.push(text) if text else None
+        parts = [d] if d is not None else []
+        if finished:
+            parts.append(st.parser.finish())
+        delta: dict[str, Any] = {}
+        reasoning, content = "".join(p.reasoning for p in parts), "".join(p.content for p in parts)
+        calls = [c for p in parts for c in p.tool_calls]
+        if reasoning:
+            delta["reasoning_content"] = reasoning
+        if content:
+            delta["content"] = content
+        if calls:
+            delta["tool_calls"] = calls
+        return delta
 
     def _envelope(self, choices: list[dict[str, Any]], stream: bool) -> dict[str, Any]:
         return {"id": self.id, "object": self.object + (".chunk" if stream and self.chat else ""),
                 "created": self.created, "model": self.server.core.model_name, "choices": choices}
 
-    def full(self, out: RequestOutput) -> dict[str, Any]:
-        c = out.outputs[0]
-        body = self._envelope([self._choice(out, c.text, c.token_ids, True, stream=False)], stream=False)
-        body["usage"] = _usage(out)
+    def full(self) -> dict[str, Any]:
+        """The whole answer from every choice's finished output (`finals`)."""
+        choices = []
+        for index in sorted(self.finals):
+            out = self.finals[index]
+            c, st = out.outputs[0], self.choice(index)
+            body = ({"message": self._message(st, c.text)} if self.chat else
+                    {"text": (self.echo or "") + c.text})
+            choices.append(self._choice(out, body, c.token_ids, st))
+        body = self._envelope(choices, stream=False)
+        body["usage"] = _usage(self.finals)
         return body
 
-    def role_chunk(self) -> dict[str, Any]:
-        chunk = self._envelope([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                 "finish_reason": None}], stream=True)
+    def role_chunk(self, n: int) -> dict[str, Any]:
+        chunk = self._envelope([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                 "finish_reason": None} for i in range(n)], stream=True)
         if self.options.include_usage:
             chunk["usage"] = None
         return chunk
 
-    def chunk(self, out: RequestOutput, first: bool) -> dict[str, Any]:
-        chunk = self._envelope([self._choice(out, out.delta_text, out.delta_token_ids, first, stream=True)],
-                               stream=True)
+    def chunk(self, out: RequestOutput) -> dict[str, Any]:
+        index = out.outputs[0].index
+        st = self.choice(index)
+        if out.finished:
+            self.finals[index] = out
+        if self.chat:
+            body: dict[str, Any] = {"delta": self._delta(st, out.delta_text, out.finished)}
+        else:
+            body = {"text": (self.echo if self.echo is not None and not st.started else "") + out.delta_text}
+        chunk = self._envelope([self._choice(out, body, out.delta_token_ids, st)], stream=True)
         if self.options.include_usage:
             chunk["usage"] = None  # OpenAI: every chunk has the field; only the last one fills it
         return chunk
 
-    def usage_chunk(self, out: RequestOutput) -> dict[str, Any]:
+    def usage_chunk(self) -> dict[str, Any]:
         chunk = self._envelope([], stream=True)
-        chunk["usage"] = _usage(out)
+        chunk["usage"] = _usage(self.finals)
         return chunk
 
 
@@ -572,29 +749,49 @@ class HttpServer:
             raise APIError(f"The model `{model}` does not exist; this server serves `{self.core.model_name}`",
                            404, "invalid_request_error", param="model", code="model_not_found")
 
-    def _chat_prompt(self, body: dict[str, Any]) -> PromptSource:
+    def _chat_prompt(self, body: dict[str, Any], tools: list[dict[str, Any]] | None = None) -> PromptSource:
         """The conversation as a function that renders the chat template and tokenises (a worker thread's job)."""
         messages = chat_messages(body.get("messages"))
-        template_kwargs = _get(body, "chat_template_kwargs", dict, {})
-        reserved = {"messages", "tools", "add_generation_prompt", "chat_template"} & set(template_kwargs)
-        if reserved:
-            raise APIError(f"`chat_template_kwargs` may not set {', '.join(sorted(reserved))}",
-                           param="chat_template_kwargs")
+        try:
+            template_kwargs = check_template_kwargs(_get(body, "chat_template_kwargs", dict, {}))
+        except RequestError as e:
+            raise APIError(str(e), param=e.param) from None
         kwargs = {**template_kwargs, "add_generation_prompt": _get(body, "add_generation_prompt", bool, True)}
+        if tools:
+            kwargs["tools"] = tools
         return functools.partial(self.core.encode_chat, messages, **kwargs)
+
+    def _plan(self, body: dict[str, Any], options: Options) -> OutputPlan:
+        try:
+            return self.core.chat_plan(body.get("tools"), body.get("tool_choice"),
+                                       _get(body, "parallel_tool_calls", bool, True), options.keep_special,
+                                       options.structured_param)
+        except RequestError as e:
+            raise APIError(str(e), param=e.param) from None
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._json(request)
         self._check_model(body)
         params, options = sampling_params(body, chat=False, max_model_len=self.core.engine.max_model_len)
         prompt = completion_prompt(body.get("prompt"))
-        return await self._run(request, prompt, params, options, chat=False)
+        plan = OutputPlan(structured_param=options.structured_param)
+        return await self._run(request, prompt, params, options, chat=False, plan=plan)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._json(request)
         self._check_model(body)
         params, options = sampling_params(body, chat=True, max_model_len=self.core.engine.max_model_len)
-        return await self._run(request, self._chat_prompt(body), params, options, chat=True)
+        plan = self._plan(body, options)
+        tools = self._plan_tools(body)
+        return await self._run(request, self._chat_prompt(body, tools), params, options, chat=True, plan=plan)
+
+    @staticmethod
+    def _plan_tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
+        """The request's tools as the chat template gets them."""
+        try:
+            return check_tools(body.get("tools"))
+        except RequestError as e:
+            raise APIError(str(e), param=e.param) from None
 
     async def tokenize(self, request: web.Request) -> web.Response:
         """vLLM's /tokenize: `{"prompt"}` or `{"messages"}` -> `{"count", "max_model_len", "tokens",
@@ -607,7 +804,11 @@ class HttpServer:
         chat = body.get("messages") is not None
         if chat == (body.get("prompt") is not None):
             raise APIError("send either `prompt` (a string) or `messages`", param="prompt")
-        prompt: PromptSource = self._chat_prompt(body) if chat else _get(body, "prompt", str)
+        if not chat and body.get("tools") is not None:
+            raise APIError("`tools` go with `messages` (the chat template renders them), not with `prompt`",
+                           param="tools")
+        prompt: PromptSource = (self._chat_prompt(body, self._plan_tools(body)) if chat
+                                else _get(body, "prompt", str))
         try:
             ids = await self.core.run_blocking(self.core.prompt_ids, prompt)
         except ValueError as e:
@@ -634,10 +835,11 @@ class HttpServer:
         return web.json_response({"prompt": text})
 
     async def _run(self, request: web.Request, prompt: PromptSource, params: SamplingParams, options: Options,
-                   chat: bool) -> web.StreamResponse:
+                   chat: bool, plan: OutputPlan) -> web.StreamResponse:
+        default_param = "messages" if chat else "prompt"
         try:
             stream = self.core.open(prompt, params, "http", prefix="chatcmpl" if chat else "cmpl",
-                                    max_tokens_param=options.max_tokens_param)
+                                    max_tokens_param=options.max_tokens_param, plan=plan)
         except Overloaded as e:
             raise APIError(str(e), 429, "rate_limit_error", code="server_overloaded",
                            headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
@@ -650,21 +852,31 @@ class HttpServer:
                 # SSE headers are not sent before it).
                 first = await anext(stream)
             except RequestError as e:
-                raise APIError(str(e), param=e.param or ("messages" if chat else "prompt")) from None
+                raise APIError(str(e), param=e.param or default_param) from None
             except ValueError as e:
-                raise APIError(str(e), param="messages" if chat else "prompt") from None
+                raise APIError(str(e), param=_param_named_in(str(e)) or default_param) from None
             except RuntimeError as e:
                 raise APIError(f"generation failed: {e}", 500, "internal_server_error") from None
-            answer = _Answer(self, stream, chat, options)
+            echo = None
+            if options.echo:
+                echo = prompt if isinstance(prompt, str) else await self.core.run_blocking(
+                    self._decode, first.prompt_token_ids, stream.params.skip_special_tokens)
+            answer = _Answer(self, stream, chat, options, echo)
             if not options.stream:
-                last = first
+                if first.finished:
+                    answer.finals[first.outputs[0].index] = first
                 try:
                     async for out in stream:
-                        last = out
+                        if out.finished:
+                            answer.finals[out.outputs[0].index] = out
                 except RuntimeError as e:
                     raise APIError(f"generation failed: {e}", 500, "internal_server_error") from None
-                return web.json_response(answer.full(last), dumps=lambda o: _dumps(o).decode())
+                return web.json_response(answer.full(), dumps=lambda o: _dumps(o).decode())
             return await self._sse(request, stream, answer, first, chat, options)
+
+    def _decode(self, ids: list[int], skip_special_tokens: bool) -> str:
+        tok = self.core.tokenizer
+        return tok.decode(ids, skip_special_tokens=skip_special_tokens) if tok is not None else ""
 
     async def _sse(self, request: web.Request, stream: RequestStream, answer: _Answer, first: RequestOutput,
                    chat: bool, options: Options) -> web.StreamResponse:
@@ -675,16 +887,14 @@ class HttpServer:
         async def send(obj: Any) -> None:
             await resp.write(b"data: " + _dumps(obj) + b"\n\n")
 
-        last = first
         try:
             if chat:
-                await send(answer.role_chunk())
-            await send(answer.chunk(first, first=True))
+                await send(answer.role_chunk(stream.params.n))
+            await send(answer.chunk(first))
             async for out in stream:
-                last = out
-                await send(answer.chunk(out, first=False))
+                await send(answer.chunk(out))
             if options.include_usage:
-                await send(answer.usage_chunk(last))
+                await send(answer.usage_chunk())
         except RuntimeError as e:
             # Headers are gone: the error travels in the stream, as vLLM and OpenAI send it.
             await send(APIError(f"generation failed: {e}", 500, "internal_server_error").body())

@@ -9,6 +9,12 @@ The parts:
   counted across both servers; past it a request is refused at once, never queued without bound), request ids,
   tokenisation off the event loop, the model-length check of max_tokens, metrics, and `RequestStream`, the one
   way a front end runs a request.
+- `OutputPlan` / `MessageParser`: what a chat reply goes through, for both front ends: M3's reasoning split
+  into `reasoning_content`, tool calls parsed into `tool_calls`, the tool-call grammar of `tool_choice`
+  "required" or a named function, and the gate that starts any grammar after `</mm:think>` when the prompt
+  opened a thinking block. The reasoning phase comes from the rendered prompt's tail (never from marker text
+  elsewhere in the prompt); requests that parse are decoded with special tokens kept, and what is left of them
+  after parsing is removed unless the client asked for `skip_special_tokens=false`.
 - `serve()`: checks every flag and binds both ports before anything heavy starts, then loads the model and
   builds the engine on a worker thread (logging each stage), starts both servers, prints the bound ports, logs
   throughput while serving, and on SIGINT / SIGTERM shuts down gracefully.
@@ -52,6 +58,16 @@ from serving.core import EngineCore, Prompt
 from serving.engine import AsyncEngine
 from serving.metrics import Reading, ServerMetrics
 from serving.outputs import RequestOutput, SamplingParams
+from serving.reasoning import (
+    THINK_END,
+    THINK_START,
+    THINKING_MODES,
+    ReasoningParser,
+    ReasoningPhase,
+    initial_phase_from_ids,
+)
+from serving.structured import StructuredOutputsParams
+from serving.tool_calls import INVOKE_END, ToolCallParser, inline_tool_refs, tool_call_grammar
 
 log = logging.getLogger("m3jax.serve")
 stats_log = logging.getLogger("m3jax.stats")
@@ -78,6 +94,205 @@ class RequestError(ValueError):
         self.num_prompt_tokens = num_prompt_tokens  # for the access log, when the prompt was tokenised
 
 
+# ---- what a chat reply goes through ---------------------------------------------------------------------------
+
+TOOL_CHOICE_MODES = ("auto", "none", "required")
+
+
+@dataclasses.dataclass
+class OutputPlan:
+    """How a request's output is constrained and read back. A front end builds it from the request's fields
+    (`ServingCore.chat_plan` for chat; a bare one otherwise); `ServingCore.fit` completes it once the prompt is
+    rendered."""
+
+    reasoning: bool = False  # split M3's thinking into reasoning_content
+    tools: list[dict[str, Any]] | None = None  # parse tool calls against these ($refs inlined); None: no parsing
+    tool_choice: str = "auto"  # "auto", "required", or "function" (`function` names it); "none" parses nothing
+    function: str | None = None
+    parallel_tool_calls: bool = True
+    keep_special: bool = False  # the client asked for special tokens in its text (skip_special_tokens=false)
+    structured_param: str | None = None  # the field that asked for structured output (named in its errors)
+    # Set by `ServingCore.fit`:
+    phase: ReasoningPhase | None = None  # where the prompt left the reasoning
+    strip: tuple[str, ...] = ()  # special-token texts removed from what the client sees
+    internal_stop: str | None = None  # a stop string the server added (not reported as a stop_reason)
+
+    @property
+    def parses(self) -> bool:
+        return self.reasoning or self.tools is not None
+
+    @property
+    def forced(self) -> bool:
+        """tool_choice "required" or a named function: the reply is a call, by grammar."""
+        return self.tools is not None and self.tool_choice in ("required", "function")
+
+
+@dataclasses.dataclass
+class MessageDelta:
+    """What one piece of generated text adds to a chat message."""
+
+    reasoning: str = ""
+    content: str = ""
+    tool_calls: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+
+
+class _Stripper:
+    """Removes whole occurrences of some strings from a stream of text, holding back a tail that may still
+    become one."""
+
+    def __init__(self, texts: tuple[str, ...]):
+        self.texts = texts
+        self.held = ""
+
+    def push(self, text: str, final: bool) -> str:
+        if not self.texts:
+            return text
+        s = self.held + text
+        for t in self.texts:
+            if t in s:
+                s = s.replace(t, "")
+        keep = 0
+        if not final:
+            for t in self.texts:
+                for k in range(min(len(s), len(t) - 1), keep, -1):
+                    if t.startswith(s[-k:]):
+                        keep = k
+                        break
+        self.held = s[len(s) - keep:]
+        return s[:len(s) - keep]
+
+
+class MessageParser:
+    """One choice's generated text -> reasoning, content and tool calls: `push(delta_text)` per update, `finish()`
+    once at its end (streaming and whole replies go through the same steps)."""
+
+    def __init__(self, plan: OutputPlan):
+        self.plan = plan
+        self._reasoning = ReasoningParser(plan.phase or ReasoningPhase.UNDECIDED) if plan.reasoning else None
+        self._tools = ToolCallParser(plan.tools) if plan.tools is not None else None
+        self._strip = (_Stripper(plan.strip), _Stripper(plan.strip))
+        self._parts: tuple[list[str], list[str]] = ([], [])
+        self.tool_calls: list[dict[str, Any]] = []
+
+    def push(self, text: str) -> MessageDelta:
+        return self._step(text, final=False)
+
+    def finish(self) -> MessageDelta:
+        return self._step("", final=True)
+
+    def _step(self, text: str, final: bool) -> MessageDelta:
+        reasoning, content = "", text
+        if self._reasoning is not None:
+            reasoning, content = self._reasoning.push(text) if text else ("", "")
+            if final:
+                more = self._reasoning.finish()
+                reasoning, content = reasoning + more.reasoning, content + more.content
+        calls: list[dict[str, Any]] = []
+        if self._tools is not None:
+            if content:
+                content, calls = self._tools.push(content)
+                calls = list(calls)
+            if final:
+                rest = self._tools.finish()
+                content, calls = content + rest.content, calls + list(rest.tool_calls)
+                self.tool_calls = list(self._tools.tool_calls)
+        reasoning = self._strip[0].push(reasoning, final)
+        content = self._strip[1].push(content, final)
+        self._parts[0].append(reasoning)
+        self._parts[1].append(content)
+        return MessageDelta(reasoning, content, calls)
+
+    @property
+    def reasoning(self) -> str | None:
+        return "".join(self._parts[0]) or None
+
+    @property
+    def content(self) -> str | None:
+        return "".join(self._parts[1]) or None
+
+    @property
+    def called(self) -> bool:
+        """Tool calls were made (known once `finish` has run)."""
+        return bool(self.tool_calls)
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        """OpenAI's: "tool_calls" for a reply that ended by itself after making calls."""
+        return "tool_calls" if reason == "stop" and self.called else reason
+
+    def stop_reason(self, stop_reason: str | int | None) -> str | int | None:
+        return None if stop_reason is not None and stop_reason == self.plan.internal_stop else stop_reason
+
+
+def check_tools(tools: Any) -> list[dict[str, Any]] | None:
+    """OpenAI `tools` (function tools only): RequestError naming `tools` for anything else. [] is None."""
+    if tools is None or tools == []:
+        return None
+    if not isinstance(tools, list):
+        raise RequestError("`tools` must be an array of {\"type\": \"function\", \"function\": {...}} objects",
+                           "tools")
+    names: set[str] = set()
+    out = []
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, Mapping) or tool.get("type", "function") != "function":
+            kind = tool.get("type") if isinstance(tool, Mapping) else type(tool).__name__
+            raise RequestError(f"tools[{i}]: only function tools are supported, got {kind!r}", "tools")
+        fn = tool.get("function")
+        if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise RequestError(f"tools[{i}].function must be an object with a `name`", "tools")
+        name = fn["name"]
+        if '"' in name or ">" in name or "<" in name:
+            raise RequestError(f"tools[{i}].function.name {name!r} cannot be written in M3's tool-call format",
+                               "tools")
+        if name in names:
+            raise RequestError(f"tools[{i}]: a second function named {name!r}", "tools")
+        names.add(name)
+        params = fn.get("parameters")
+        if params is not None and not (isinstance(params, Mapping) and params.get("type", "object") == "object"):
+            raise RequestError(f"tools[{i}].function.parameters must be a JSON schema of an object", "tools")
+        if fn.get("description") is not None and not isinstance(fn["description"], str):
+            raise RequestError(f"tools[{i}].function.description must be a string", "tools")
+        out.append({**tool, "type": "function", "function": dict(fn)})
+    return out
+
+
+def check_template_kwargs(kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """`chat_template_kwargs`: extra variables of the chat template (M3: `thinking_mode`). RequestError naming the
+    field for a variable the server sets itself or a thinking_mode M3's template does not know."""
+    reserved = {"messages", "tools", "add_generation_prompt", "chat_template"} & set(kwargs)
+    if reserved:
+        raise RequestError(f"`chat_template_kwargs` may not set {', '.join(sorted(reserved))}",
+                           "chat_template_kwargs")
+    mode = kwargs.get("thinking_mode")
+    if mode is not None and mode not in THINKING_MODES:
+        raise RequestError(f"`chat_template_kwargs.thinking_mode` must be one of {', '.join(THINKING_MODES)}, got "
+                           f"{mode!r}", "chat_template_kwargs")
+    return dict(kwargs)
+
+
+def check_tool_choice(choice: Any, tools: list[dict[str, Any]] | None) -> tuple[str, str | None]:
+    """OpenAI `tool_choice` -> (mode, function name): "auto" (the default with tools), "none" (the default
+    without), "required", or ("function", name). RequestError naming `tool_choice` for anything else."""
+    if choice is None:
+        return ("auto" if tools else "none"), None
+    if isinstance(choice, str):
+        if choice not in TOOL_CHOICE_MODES:
+            raise RequestError(f"`tool_choice` must be one of {', '.join(TOOL_CHOICE_MODES)} or "
+                               f'{{"type": "function", "function": {{"name": ...}}}}, got {choice!r}', "tool_choice")
+        if choice != "none" and not tools:
+            raise RequestError(f"`tool_choice` {choice!r} needs `tools`", "tool_choice")
+        return choice, None
+    fn = choice.get("function") if isinstance(choice, Mapping) else None
+    if not (isinstance(choice, Mapping) and choice.get("type", "function") == "function" and isinstance(fn, Mapping)
+            and isinstance(fn.get("name"), str)):
+        raise RequestError('`tool_choice` must be "auto", "none", "required" or {"type": "function", "function": '
+                           '{"name": ...}}', "tool_choice")
+    names = [t["function"]["name"] for t in tools or ()]
+    if fn["name"] not in names:
+        raise RequestError(f"`tool_choice` names the function {fn['name']!r}, which is not among `tools` "
+                           f"({', '.join(map(repr, names)) or 'none given'})", "tool_choice")
+    return "function", fn["name"]
+
+
 # ---- one request -------------------------------------------------------------------------------------------------
 
 
@@ -91,12 +306,14 @@ class RequestStream:
     """
 
     def __init__(self, core: ServingCore, prompt: PromptSource, params: SamplingParams, request_id: str, api: str,
-                 max_tokens_param: str | None):
+                 max_tokens_param: str | None, plan: OutputPlan | None = None):
         self.core = core
         self.request_id = request_id
         self.api = api
         self.params = params
         self.max_tokens_param = max_tokens_param
+        self.plan = plan if plan is not None else OutputPlan()
+        self.choices_left = params.n  # the stream ends when all n choices have finished
         self.arrival = time.monotonic()
         self.num_prompt_tokens = 0
         self.num_tokens = 0
@@ -129,7 +346,7 @@ class RequestStream:
         try:
             if self._gen is None:
                 prompt, self._prompt = self._prompt, None
-                ids, self.params = await self.core.prepare(prompt, self.params, self.max_tokens_param)
+                ids, self.params = await self.core.prepare(prompt, self.params, self.max_tokens_param, self.plan)
                 self.num_prompt_tokens = len(ids)
                 self._gen = self.core.async_engine.generate(ids, self.params, self.request_id)
             out = await self._gen.__anext__()
@@ -155,6 +372,8 @@ class RequestStream:
             self._last = now
             self.num_tokens += n
         if out.finished:
+            self.choices_left -= 1
+        if out.finished and not self.choices_left:
             self.finish_reason = out.outputs[0].finish_reason or "stop"
             # The engine has freed its pages: give the slot back now, before the front end sends the last
             # message, so that a client that starts its next request on receiving it is not refused.
@@ -172,7 +391,8 @@ class ServingCore:
     """State shared by the gRPC and HTTP front ends over one EngineCore."""
 
     def __init__(self, engine: EngineCore, async_engine: AsyncEngine, model_name: str, model_path: str,
-                 max_queue: int = Settings.max_queue, api_key: str | None = None):
+                 max_queue: int = Settings.max_queue, api_key: str | None = None,
+                 reasoning_parser: str = Settings.reasoning_parser, tool_call_parser: str = Settings.tool_call_parser):
         if max_queue < 1:
             raise ValueError(f"max_queue must be at least 1, got {max_queue}")
         self.engine = engine
@@ -187,6 +407,13 @@ class ServingCore:
         # Tokenising, chat templates and large JSON bodies: off the event loop.
         self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="m3jax-tokenize")
         self.metrics = ServerMetrics(model_name, self._readings(), engine.max_model_len)
+        tok = engine.tokenizer
+        # The tokenizer's special tokens (text -> id): grammars name them as tokens; parsed replies drop them.
+        self.special_tokens: dict[str, int] = {} if tok is None else {
+            t.content: i for i, t in tok.backend.get_added_tokens_decoder().items() if t.special}
+        # M3's reasoning split needs its markers as tokens of this vocabulary (M3's and the embedded model's).
+        self.reasoning_parser = reasoning_parser != "none" and {THINK_START, THINK_END} <= set(self.special_tokens)
+        self.tool_call_parser = tool_call_parser != "none" and tok is not None
 
     def _readings(self) -> list[Reading]:
         engine, stats, name = self.engine, self.engine.stats, (("model_name", self.model_name),)
@@ -226,7 +453,31 @@ class ServingCore:
                     "tokens.", lambda: engine.prefix_cache_queries, name),
             Reading("counter", "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
                     lambda: engine.prefix_cache_hits, name),
+            *self._spec_readings(),
         ]
+
+    def _spec_readings(self) -> list[Reading]:
+        """Speculative decoding's counters, under m3jax's and vLLM's names (none without a draft): verifications,
+        draft tokens verified, accepted ones, and accepted by draft position."""
+        k = self.engine.num_speculative_tokens
+        if not k:
+            return []
+        stats, name = self.engine.stats, (("model_name", self.model_name),)
+        out = []
+        for ours, theirs, key, doc in (
+                ("drafts", "drafts", "spec_num_drafts", "Verifications of a request's draft tokens"),
+                ("draft_tokens", "draft_tokens", "spec_num_draft_tokens", "Draft tokens verified"),
+                ("accepted_tokens", "accepted_tokens", "spec_num_accepted_tokens", "Draft tokens accepted")):
+            out.append(Reading("counter", f"m3jax_spec_decode_num_{ours}", doc, lambda key=key: stats.get(key, 0)))
+            out.append(Reading("counter", f"vllm:spec_decode_num_{theirs}", doc + ".",
+                               lambda key=key: stats.get(key, 0), name))
+        for pos in range(k):
+            key, at = f"spec_accepted_at_{pos}", ("position", str(pos))
+            out.append(Reading("counter", "m3jax_spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, "
+                               "by position in the draft", lambda key=key: stats.get(key, 0), (at,)))
+            out.append(Reading("counter", "vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft "
+                               "position.", lambda key=key: stats.get(key, 0), (*name, at)))
+        return out
 
     @property
     def tokenizer(self) -> Any:
@@ -234,13 +485,15 @@ class ServingCore:
 
     # ---- requests ------------------------------------------------------------------------------------------
     def open(self, prompt: PromptSource, params: SamplingParams, api: str, request_id: str | None = None,
-             prefix: str = "req", max_tokens_param: str | None = None) -> RequestStream:
+             prefix: str = "req", max_tokens_param: str | None = None, plan: OutputPlan | None = None
+             ) -> RequestStream:
         """Admit a request, or refuse it at once: ShuttingDown, Overloaded, ValueError (duplicate id). Runs on
         the event loop, so the check and the insertion are atomic with respect to other requests.
 
         `max_tokens_param`: the field in which the client set max_tokens (its name goes into the error when the
         prompt and max_tokens do not fit the model length), or None when the client did not set it and
-        `params.max_tokens` is only a default (then it is lowered to what fits)."""
+        `params.max_tokens` is only a default (then it is lowered to what fits). `plan`: what the output goes
+        through (`chat_plan`), completed when the prompt has been rendered."""
         if self.draining:
             raise ShuttingDown("the server is shutting down")
         if len(self.active) >= self.max_queue:
@@ -249,7 +502,7 @@ class ServingCore:
         rid = request_id or f"{prefix}-{uuid.uuid4().hex}"
         if rid in self.active:
             raise ValueError(f"request id {rid!r} is already in flight")
-        stream = RequestStream(self, prompt, params, rid, api, max_tokens_param)
+        stream = RequestStream(self, prompt, params, rid, api, max_tokens_param, plan)
         self.active[rid] = stream
         return stream
 
@@ -257,9 +510,9 @@ class ServingCore:
         """`fn(*args)` on the tokenising threads, so the event loop keeps answering (/health, other streams)."""
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
-    async def prepare(self, prompt: PromptSource, params: SamplingParams, max_tokens_param: str | None
-                      ) -> tuple[list[int], SamplingParams]:
-        return await self.run_blocking(self.fit, prompt, params, max_tokens_param)
+    async def prepare(self, prompt: PromptSource, params: SamplingParams, max_tokens_param: str | None,
+                      plan: OutputPlan | None = None) -> tuple[list[int], SamplingParams]:
+        return await self.run_blocking(self.fit, prompt, params, max_tokens_param, plan)
 
     def prompt_ids(self, prompt: PromptSource) -> list[int]:
         """Token ids of a prompt (a worker thread's work for text and chat templates); ValueError if it has none."""
@@ -274,10 +527,12 @@ class ServingCore:
                 raise ValueError(f"the prompt is not valid text: {e}") from e
         return list(prompt)
 
-    def fit(self, prompt: PromptSource, params: SamplingParams, max_tokens_param: str | None
-            ) -> tuple[list[int], SamplingParams]:
+    def fit(self, prompt: PromptSource, params: SamplingParams, max_tokens_param: str | None,
+            plan: OutputPlan | None = None) -> tuple[list[int], SamplingParams]:
         """The prompt's ids and the request's SamplingParams checked against the model length (vLLM's rule: a
-        max_tokens the client set that does not fit is a 400, never silently lowered; a default is lowered)."""
+        max_tokens the client set that does not fit is a 400, never silently lowered; a default is lowered), and
+        completed by `plan` (reasoning phase, tool-call grammar, gate), its grammar compiled (a RequestError
+        naming the field that asked for it when it is not valid)."""
         ids = self.prompt_ids(prompt)
         n, limit = len(ids), self.engine.max_model_len
         if not ids:
@@ -293,7 +548,70 @@ class ServingCore:
             raise RequestError(f"`{max_tokens_param}` is too large: {params.max_tokens}. This model's maximum "
                                f"context length is {limit} tokens and your request has {n} input tokens "
                                f"({params.max_tokens} > {limit} - {n})", max_tokens_param, n)
+        if plan is not None:
+            params = self._apply_plan(plan, ids, params)
         return ids, params
+
+    def chat_plan(self, tools: Any = None, tool_choice: Any = None, parallel_tool_calls: bool = True,
+                  keep_special: bool = False, structured_param: str | None = None) -> OutputPlan:
+        """The OutputPlan of a chat request from its fields (RequestError naming the field at fault)."""
+        checked = check_tools(tools)
+        mode, name = check_tool_choice(tool_choice, checked)
+        parsed = None
+        if checked is not None and mode != "none":
+            if not self.tool_call_parser:
+                raise RequestError(f"tool calling is turned off on this server ({flag('tool_call_parser')} none): "
+                                   "send `tool_choice: \"none\"` or no tools", "tool_choice")
+            parsed = inline_tool_refs(checked)
+        if structured_param is not None and parsed is not None and mode in ("required", "function"):
+            raise RequestError(f"`{structured_param}` and a forced tool call (`tool_choice` {tool_choice!r}) both "
+                               "constrain the reply; send one of them", structured_param)
+        plan = OutputPlan(reasoning=self.reasoning_parser, tools=parsed, tool_choice=mode, function=name,
+                          parallel_tool_calls=parallel_tool_calls, keep_special=keep_special,
+                          structured_param=structured_param)
+        if plan.forced:
+            try:  # a schema no call can satisfy is the request's fault: found now, before anything runs
+                tool_call_grammar(plan.tools or [], function=name, special_tokens=self.special_tokens)
+            except ValueError as e:
+                raise RequestError(f"tools: {e}", "tools") from None
+        return plan
+
+    def _apply_plan(self, plan: OutputPlan, ids: list[int], params: SamplingParams) -> SamplingParams:
+        """Complete `plan` for the rendered prompt `ids` and return the SamplingParams that carry it out."""
+        changes: dict[str, Any] = {}
+        if plan.reasoning:
+            plan.phase = initial_phase_from_ids(ids, self.tokenizer)
+        if plan.parses:
+            changes["skip_special_tokens"] = False  # the parsers read the markers
+            if not plan.keep_special:
+                plan.strip = tuple(self.special_tokens)
+        structured = params.structured_outputs
+        if plan.forced:
+            grammar = tool_call_grammar(plan.tools or [], function=plan.function,
+                                        parallel=plan.parallel_tool_calls, special_tokens=self.special_tokens,
+                                        optional_thinking=plan.phase is ReasoningPhase.UNDECIDED)
+            structured = StructuredOutputsParams(grammar=grammar)
+        if structured is not None and plan.phase is ReasoningPhase.REASONING:
+            # The prompt opened a thinking block: the grammar constrains the reply after it.
+            structured = dataclasses.replace(structured, start_after_token=self.special_tokens[THINK_END])
+        changes["structured_outputs"] = structured
+        if plan.tools is not None and plan.tool_choice == "auto" and not plan.parallel_tool_calls:
+            # At most one call: generation stops where the first invoke closes (the parser closes the call).
+            plan.internal_stop = INVOKE_END
+            changes["stop"] = [*params.stops, INVOKE_END]
+        params = dataclasses.replace(params, **changes)
+        if structured is not None:
+            self._check_grammar(params, plan.structured_param or "tools")
+        return params
+
+    def _check_grammar(self, params: SamplingParams, param: str) -> None:
+        """Compile the request's grammar here, on a worker thread: an invalid one is refused naming the field
+        that asked for it, and the engine's prepare (on the event loop) then copies the compiled grammar from
+        its cache instead of building it."""
+        try:
+            self.engine.compile_grammar(params)
+        except ValueError as e:
+            raise RequestError(str(e), param) from None
 
     def _release(self, stream: RequestStream) -> None:
         if self.active.get(stream.request_id) is stream:
@@ -590,7 +908,7 @@ def serve(args: argparse.Namespace) -> int:
         raise
     name = settings.served_model_name or (settings.model if settings.model is not None else "m3jax/tiny")
     core = ServingCore(engine, AsyncEngine(engine), name, settings.model or "embedded", settings.max_queue,
-                       settings.api_key)
+                       settings.api_key, settings.reasoning_parser, settings.tool_call_parser)
     try:
         asyncio.run(_serve_async(core, settings, listeners))
     except OSError as e:

@@ -8,6 +8,12 @@ checkpoint's tokenizer into a `GrammarState` (llguidance's `LLMatcher`), which
 - consumes each sampled token (`accept`, called by serving/stopping.append_token, where a grammar that has
   reached its end finishes the request).
 
+A grammar may be gated (`start_after_token`): it constrains only what follows that token, M3's `</mm:think>`,
+so that with thinking on the reasoning is free and the reply after it follows the grammar. Until the gate token
+has been sampled the row allows every token but EOS (the reply cannot end before it starts), and the matcher
+sees nothing. `Grammars` keeps the matchers it built by grammar text and hands out copies, so a request's n
+choices, and the same tools or schema sent again, compile once.
+
 Why llguidance: it takes the checkpoint's own `tokenizers` JSON (no transformers, no torch), has no runtime
 dependencies, and computes a 200k-token mask in tens of microseconds (measured in docs/benchmarks.md,
 "Structured output"); xgrammar needs torch and transformers, outlines-core compiles a JSON schema to a regex
@@ -17,15 +23,18 @@ so with async scheduling they cost no device time.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import os
+import threading
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
+MAX_CACHED_GRAMMARS = 64  # compiled grammars kept for reuse (the same tools or schema in the next request)
 # JSON as `json.dumps` writes it: ", " and ": ", no other whitespace. llguidance's default lets any amount of
 # whitespace in between, and a model can spend its whole max_tokens on it; a schema's own "x-guidance" options
 # still override this.
@@ -41,6 +50,9 @@ class StructuredOutputsParams:
     regex: str | None = None
     choice: Sequence[str] | None = None
     grammar: str | None = None  # Lark syntax (llguidance's dialect)
+    # Not a kind: the grammar applies only after this token has been generated (the servers set M3's
+    # `</mm:think>` when the prompt opened a thinking block); until then anything but EOS may be sampled.
+    start_after_token: int | None = None
 
     def validate(self) -> None:
         given = [k for k in KINDS if getattr(self, k) not in (None, False)]
@@ -51,6 +63,9 @@ class StructuredOutputsParams:
             raise ValueError("structured outputs: choice must be a non-empty list of non-empty strings")
         if self.json is not None and not isinstance(self.json, dict | str):
             raise ValueError("structured outputs: json must be a JSON schema (an object or its text)")
+        gate = self.start_after_token
+        if gate is not None and (not isinstance(gate, int) or isinstance(gate, bool) or gate < 0):
+            raise ValueError(f"structured outputs: start_after_token must be a token id, got {gate!r}")
 
     def grammar_text(self) -> str:
         """The llguidance grammar of this request."""
@@ -72,14 +87,24 @@ class StructuredOutputsParams:
 
 
 class GrammarState:
-    """One request's grammar: what it allows next, and whether it has ended."""
+    """One request's grammar: what it allows next, and whether it has ended. With `start_after` (a token id) the
+    grammar is gated: inactive until that token has been sampled (see the module docstring)."""
 
-    def __init__(self, matcher: Any):
+    def __init__(self, matcher: Any, start_after: int | None = None, eos_token_ids: Sequence[int] = ()):
         self.matcher = matcher
+        self.gate = start_after  # None once the grammar is active
+        self.eos_token_ids = tuple(eos_token_ids)
 
     def fill(self, bitmask: np.ndarray, row: int) -> None:
         """Write the allowed next tokens into `bitmask[row]` (int32 words, llguidance's layout). A grammar that
-        has ended or failed allows anything: the request is being finished, its token is dropped."""
+        has ended or failed allows anything: the request is being finished, its token is dropped. A closed gate
+        allows anything but EOS."""
+        if self.gate is not None:
+            bitmask[row] = -1
+            for t in self.eos_token_ids:
+                if t // 32 < bitmask.shape[1]:
+                    bitmask[row, t // 32] &= ~np.int32(np.uint32(1 << (t % 32)).view(np.int32))
+            return
         if self.matcher.is_stopped() or self.matcher.is_error():
             bitmask[row] = -1
             return
@@ -89,14 +114,22 @@ class GrammarState:
 
     def accept(self, token_id: int) -> None:
         """Consume a sampled token (always an allowed one; a refused one leaves the matcher in its error state,
-        which `finished` reports)."""
+        which `finished` reports). While gated only the gate token counts: it opens the grammar."""
+        if self.gate is not None:
+            if token_id == self.gate:
+                self.gate = None
+            return
         if not (self.matcher.is_stopped() or self.matcher.is_error()):
             self.matcher.consume_token(token_id)
 
     @property
+    def gated(self) -> bool:
+        return self.gate is not None
+
+    @property
     def finished(self) -> bool:
         """The grammar is complete and allows no further token (EOS included), or it failed."""
-        return self.matcher.is_stopped() or self.matcher.is_error()
+        return self.gate is None and (self.matcher.is_stopped() or self.matcher.is_error())
 
     @property
     def error(self) -> str | None:
@@ -112,29 +145,46 @@ class Grammars:
         # The model's vocabulary may be wider than the tokenizer's (padding rows): those ids are never allowed.
         self.tokenizer = LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(eos_token_ids))
         self.vocab_size = vocab_size
+        self.eos_token_ids = tuple(eos_token_ids)
         self.executor = LLExecutor(num_threads=max(1, min(8, (os.cpu_count() or 2) - 1)))
+        # Matchers in their start state by grammar text (least recently used last), copied for each request.
+        self._built: collections.OrderedDict[str, Any] = collections.OrderedDict()
+        self._lock = threading.Lock()
 
     def compile(self, params: StructuredOutputsParams) -> GrammarState:
         """ValueError (a 400 for the servers) when the grammar is not valid."""
-        from llguidance import LLMatcher
-
         params.validate()
         text = params.grammar_text()
+        with self._lock:
+            base = self._built.get(text)
+            if base is not None:
+                self._built.move_to_end(text)
+                return GrammarState(base.deep_copy(), params.start_after_token, self.eos_token_ids)
+        base = self._build(text)
+        with self._lock:
+            self._built[text] = base
+            while len(self._built) > MAX_CACHED_GRAMMARS:
+                self._built.popitem(last=False)
+            return GrammarState(base.deep_copy(), params.start_after_token, self.eos_token_ids)
+
+    def _build(self, text: str) -> Any:
+        from llguidance import LLMatcher
+
         error, messages = LLMatcher.validate_grammar_with_warnings(text, self.tokenizer)
         if error:
             raise ValueError(f"structured outputs: {messages[0] if messages else 'invalid grammar'}")
         matcher = LLMatcher(self.tokenizer, text, log_level=0)
         if matcher.is_error():
             raise ValueError(f"structured outputs: {matcher.get_error()}")
-        return GrammarState(matcher)
+        return matcher
 
     def fill_rows(self, states: Sequence[tuple[GrammarState, int]], bitmask: np.ndarray) -> None:
         """Masks of many requests at once, on llguidance's own threads."""
         from llguidance.numpy import fill_next_token_bitmask_par
 
-        live = [(s.matcher, row) for s, row in states if not s.finished]
+        live = [(s.matcher, row) for s, row in states if not s.finished and not s.gated]
         for s, row in states:
-            if s.finished:
-                bitmask[row] = -1
+            if s.finished or s.gated:
+                s.fill(bitmask, row)
         if live:
             fill_next_token_bitmask_par(self.executor, live, bitmask)

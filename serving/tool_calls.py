@@ -1083,3 +1083,275 @@ def forced_call_prefix(name: str | None = None) -> str:
     if not name or '"' in name or ">" in name:
         raise ValueError(f"not a function name that can be rendered in an invoke header: {name!r}")
     return f'{head}{name}">'
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Constrained decoding: an llguidance Lark grammar of M3's tool-call format
+
+
+def inline_refs(schema: Any, root: Any = None, depth: int = 0) -> Any:
+    """`schema` with its local `$ref`s (`#/$defs/...`, `#/definitions/...`) replaced by what they point to, so that
+    both the grammar and the parser see the real types (the parser does not follow `$ref`). A reference that
+    cannot be resolved, or one nested deeper than the parser follows (a recursive schema), becomes `{}` (any
+    value)."""
+    root = schema if root is None else root
+    if depth > _GRAMMAR_MAX_DEPTH:
+        return {}
+    if isinstance(schema, Mapping):
+        ref = schema.get("$ref")
+        if isinstance(ref, str):
+            target: Any = root
+            if ref.startswith("#/"):
+                for part in ref[2:].split("/"):
+                    part = part.replace("~1", "/").replace("~0", "~")
+                    target = target.get(part) if isinstance(target, Mapping) else None
+            else:
+                target = None
+            if not isinstance(target, Mapping):
+                return {}
+            rest = {k: v for k, v in schema.items() if k != "$ref"}
+            return inline_refs({**target, **rest}, root, depth + 1)
+        return {k: (v if k in ("$defs", "definitions", "enum", "const", "required", "default", "examples")
+                    else inline_refs(v, root, depth + 1)) for k, v in schema.items()}
+    if isinstance(schema, list):
+        return [inline_refs(v, root, depth + 1) for v in schema]
+    return schema
+
+
+def inline_tool_refs(tools: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """OpenAI tools with each function's parameters schema `inline_refs`-ed (its refs resolved against itself)."""
+    out = []
+    for tool in tools:
+        fn = tool.get("function")
+        if isinstance(fn, Mapping) and isinstance(fn.get("parameters"), Mapping):
+            tool = {**tool, "function": {**fn, "parameters": inline_refs(fn["parameters"])}}
+        out.append(dict(tool))
+    return out
+
+
+_GRAMMAR_MAX_DEPTH = 16  # deeper values are free text (untyped)
+# JSON-schema keywords of a number that llguidance's %json enforces.
+_NUMBER_KEYWORDS = ("type", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
+# A string value: any text without `<` (M3's template writes values raw; a `<` could start a tag).
+_STRING_REGEX = "[^<]"
+# Numbers without bounds: JSON numbers of at most 18 digits (an exponent of at most two), so that every one reads
+# back as a finite number (`9E1620` is valid JSON but not a float).
+_INTEGER_REGEX = "/-?(0|[1-9][0-9]{0,17})/"
+_NUMBER_REGEX = r"/-?(0|[1-9][0-9]{0,17})(\.[0-9]{1,17})?([eE][-+]?[0-9]{1,2})?/"
+
+
+class _LarkBuilder:
+    """Builds the Lark text of one grammar. Literal text is split at the tokenizer's special tokens, which a
+    grammar must name as tokens (`<[id]>`): as text they would only match a spelling out of ordinary tokens."""
+
+    def __init__(self, special_tokens: Mapping[str, int] | None):
+        self._special = sorted(((s, i) for s, i in (special_tokens or {}).items() if s), key=lambda p: -len(p[0]))
+        self.lines: list[str] = []
+        self._count = 0
+
+    def name(self, prefix: str) -> str:
+        self._count += 1
+        return f"{prefix}{self._count}"
+
+    def pieces(self, text: str) -> list[tuple[str, int | None]]:
+        """`text` cut into (text, None) and (special token, id) pieces."""
+        out: list[tuple[str, int | None]] = []
+        plain, i = [], 0
+        while i < len(text):
+            hit = next(((s, t) for s, t in self._special if text.startswith(s, i)), None)
+            if hit is None:
+                plain.append(text[i])
+                i += 1
+                continue
+            if plain:
+                out.append(("".join(plain), None))
+                plain = []
+            out.append(hit)
+            i += len(hit[0])
+        if plain:
+            out.append(("".join(plain), None))
+        return out
+
+    @staticmethod
+    def text_lit(text: str) -> str:
+        return json.dumps(text, ensure_ascii=False)
+
+    def lit(self, text: str) -> str:
+        """A Lark sequence matching exactly `text` (special tokens as tokens)."""
+        parts = [f"<[{tid}]>" if tid is not None else self.text_lit(s) for s, tid in self.pieces(text)]
+        return " ".join(parts) if parts else '""'
+
+    def leaf(self, terminal: str, close: str) -> str:
+        """A leaf value (a terminal expression) and then `close`. When `close` starts with text (the marker is
+        text in this tokenizer, not a special token) the two become one terminal: llguidance's lexer is greedy,
+        so a value that may contain the text's first character (`]`) would otherwise swallow it."""
+        pieces = self.pieces(close)
+        if pieces and pieces[0][1] is None:
+            name = self.name("T")
+            self.lines.append(f"{name}: ({terminal}) {self.text_lit(pieces[0][0])}")
+            rest = [f"<[{t}]>" if t is not None else self.text_lit(s) for s, t in pieces[1:]]
+            return " ".join([name, *rest])
+        name = self.name("T")
+        self.lines.append(f"{name}: {terminal}")
+        return f"{name} {self.lit(close)}".strip()
+
+    def rule(self, body: str) -> str:
+        name = self.name("r")
+        self.lines.append(f"{name}: {body}")
+        return name
+
+
+def _merge_all_of(schema: Mapping[str, Any]) -> Mapping[str, Any]:
+    branches = schema.get("allOf")
+    if not isinstance(branches, list):
+        return schema
+    merged: dict[str, Any] = {k: v for k, v in schema.items() if k != "allOf"}
+    props: dict[str, Any] = dict(merged.get("properties") or {})
+    required: list[str] = list(merged.get("required") or [])
+    for b in branches:
+        if not isinstance(b, Mapping):
+            continue
+        b = _merge_all_of(b)
+        for k, v in b.items():
+            if k == "properties" and isinstance(v, Mapping):
+                props.update(v)
+            elif k == "required" and isinstance(v, list):
+                required += [r for r in v if r not in required]
+            else:
+                merged.setdefault(k, v)
+    if props:
+        merged["properties"] = props
+    if required:
+        merged["required"] = required
+    return merged
+
+
+def _render_scalar(value: Any) -> str | None:
+    """A JSON value as M3's template writes it (None: it cannot be written: the template leaves None out)."""
+    if value is None or isinstance(value, Mapping | list):
+        return None
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def _value(b: _LarkBuilder, schema: Any, close: str, depth: int) -> str:
+    """A Lark expression for one value of `schema` followed by the text `close` (its element's closing tag)."""
+    schema = _merge_all_of(schema) if isinstance(schema, Mapping) else {}
+    if depth > _GRAMMAR_MAX_DEPTH:
+        return b.leaf(f"/{_STRING_REGEX}*/", close)
+    values = schema.get("enum") if isinstance(schema.get("enum"), list) else (
+        [schema["const"]] if "const" in schema else None)
+    if values is not None:
+        rendered = [r for r in (_render_scalar(v) for v in values) if r is not None and "<" not in r]
+        if not rendered:
+            raise ValueError(f"an enum {values!r} without a value M3's template can write (a scalar without `<`)")
+        return b.leaf(" | ".join(b.text_lit(r) for r in dict.fromkeys(rendered)), close)
+    branches = [br for key in ("anyOf", "oneOf") for br in (schema.get(key) or []) if isinstance(br, Mapping)]
+    if branches:
+        base = {k: v for k, v in schema.items() if k not in ("anyOf", "oneOf")}
+        return b.rule(" | ".join(_value(b, {**base, **br}, close, depth + 1) for br in branches))
+    declared = schema.get("type")
+    types = [declared] if isinstance(declared, str) else [t for t in declared if isinstance(t, str)] if isinstance(
+        declared, list) else _schema_types(schema)
+    if len(types) > 1:
+        return b.rule(" | ".join(_value(b, {**schema, "type": t}, close, depth + 1) for t in dict.fromkeys(types)))
+    kind = types[0] if types else None
+    if kind == "string" or kind is None:
+        lo, hi = schema.get("minLength"), schema.get("maxLength")
+        if kind == "string" and (isinstance(lo, int) or isinstance(hi, int)):
+            reps = f"{{{lo if isinstance(lo, int) else 0},{hi if isinstance(hi, int) else ''}}}"
+            return b.leaf(f"/{_STRING_REGEX}{reps}/", close)
+        return b.leaf(f"/{_STRING_REGEX}*/", close)
+    if kind in ("integer", "number"):
+        bounds = {k: schema[k] for k in _NUMBER_KEYWORDS if k in schema and k != "type"}
+        if not bounds:
+            return b.leaf(_INTEGER_REGEX if kind == "integer" else _NUMBER_REGEX, close)
+        number = {"type": kind, **bounds, "x-guidance": {"whitespace_flexible": False}}
+        return f"%json {json.dumps(number)} {b.lit(close)}"
+    if kind == "boolean":
+        return b.leaf('"true" | "false"', close)
+    if kind == "null":
+        return b.leaf('"null"', close)
+    if kind == "array":
+        items = schema.get("items") if isinstance(schema.get("items"), Mapping) else {}
+        item = b.rule(f"{b.lit(NS + '<item>')} {_value(b, items, NS + '</item>', depth + 1)}")
+        lo = schema.get("minItems") if isinstance(schema.get("minItems"), int) else 0
+        hi = schema.get("maxItems") if isinstance(schema.get("maxItems"), int) else None
+        if hi is not None and hi < lo:
+            raise ValueError(f"an array with minItems {lo} > maxItems {hi}")
+        bounds = f"{{{lo},{'' if hi is None else hi}}}"
+        reps = "*" if (lo, hi) == (0, None) else "+" if (lo, hi) == (1, None) else bounds
+        if hi == 0:
+            return b.lit(close)
+        return f"{item}{reps} {b.lit(close)}"
+    if kind == "object":
+        return f"{_properties(b, schema, depth)} {b.lit(close)}".strip()
+    raise ValueError(f"unknown JSON-schema type {kind!r}")
+
+
+def _properties(b: _LarkBuilder, schema: Mapping[str, Any], depth: int) -> str:
+    """An object's members as nested elements, in the schema's order: required ones always, others optional."""
+    props = schema.get("properties") if isinstance(schema.get("properties"), Mapping) else {}
+    required = [r for r in schema.get("required") or [] if isinstance(r, str)]
+    missing = [r for r in required if r not in props]
+    if missing:
+        raise ValueError(f"required parameter(s) {missing} without a schema in `properties`")
+    parts = []
+    for key, sub in props.items():
+        if not isinstance(key, str) or not key or any(c in key for c in "<>/ \t\n") or NS in key:
+            raise ValueError(f"parameter name {key!r} cannot be written as an element name")
+        element = b.rule(f"{b.lit(f'{NS}<{key}>')} {_value(b, sub, f'{NS}</{key}>', depth + 1)}")
+        parts.append(element if key in required else f"{element}?")
+    return " ".join(parts)
+
+
+def tool_call_grammar(tools: Sequence[Mapping[str, Any]], *, function: str | None = None, parallel: bool = True,
+                      special_tokens: Mapping[str, int] | None = None,
+                      optional_thinking: bool = False) -> str:
+    """An llguidance Lark grammar whose every output is a valid M3 tool-call block (the canonical form that
+    `render_tool_calls` writes and `ToolCallParser` reads), for `tool_choice` naming `function` (one invoke of it)
+    or, with `function=None`, `tool_choice="required"` (one or more invokes of the listed functions; exactly one
+    when not `parallel`).
+
+    Each parameter is an element named after it (required ones present, optional ones may be, in the schema's
+    order), its value constrained by its JSON schema: strings are text without `<` (minLength / maxLength kept),
+    integers and numbers JSON numbers (minimum / maximum / multipleOf kept, via llguidance's %json), booleans
+    `true`/`false`, enums and consts one of their values, objects nested elements, arrays `<item>` elements
+    (minItems / maxItems kept), anyOf / oneOf / type lists any of their branches, allOf merged; `$ref` must have
+    been inlined (`inline_refs`). Not enforced: string `pattern` / `format`, `uniqueItems`, keys beyond
+    `properties`. ValueError for a schema that no rendered call can satisfy or that cannot be written as
+    elements.
+
+    `special_tokens`: the tokenizer's special tokens (text -> id). The markers that are special tokens in the
+    checkpoint's vocabulary (M3: `]<]minimax[>[`, `<tool_call>`, ...) are matched as those tokens, the way the
+    chat template's text tokenises. `optional_thinking`: the output may start with a thinking block,
+    `<mm:think>` ... `</mm:think>` or a bare `</mm:think>` (M3's adaptive mode); both markers must then be
+    special tokens.
+    """
+    functions = _function_schemas(tools) or {}
+    if function is not None:
+        if function not in functions:
+            raise ValueError(f"function {function!r} is not among the tools")
+        functions = {function: functions[function]}
+    if not functions:
+        raise ValueError("no function to call")
+    b = _LarkBuilder(special_tokens)
+    invokes = []
+    for name, params in functions.items():
+        forced_call_prefix(name)  # ValueError for a name that cannot be written in an invoke header
+        params = _merge_all_of(params) if isinstance(params, Mapping) else {}
+        body = _properties(b, params, 0)
+        invokes.append(b.rule(f'{b.lit(f"{NS}<invoke name=\"{name}\">")} {body} {b.lit(INVOKE_END + chr(10))}'))
+    invoke = b.rule(" | ".join(invokes))
+    calls = f"{invoke}+" if function is None and parallel else invoke
+    block = f"{b.lit(TOOL_CALL_START + chr(10))} {calls} {b.lit(TOOL_CALL_END)}"
+    if optional_thinking:
+        ids = dict(b.pieces("<mm:think>") + b.pieces("</mm:think>"))
+        start, end = ids.get("<mm:think>"), ids.get("</mm:think>")
+        if start is None or end is None:
+            raise ValueError("optional thinking needs <mm:think> and </mm:think> as special tokens")
+        b.lines.append(r"THINKING: /(.|\n)*/")
+        think = b.rule(f"<[{start}]> THINKING <[{end}]> | <[{end}]>")
+        return "\n".join([f"start: {think}? {block}", *b.lines]) + "\n"
+    return "\n".join([f"start: {block}", *b.lines]) + "\n"

@@ -39,6 +39,45 @@ def model_args(base_temp: Path) -> list[str]:
     return ["--model", str(path)]
 
 
+def checkpoint_copy(base_temp: Path, name: str, chat_template: str | None = None,
+                    special_tokens: dict[int, str] | None = None) -> Path:
+    """A copy of the test checkpoint (the embedded one, else the synthetic one of `model_args`) with its own
+    chat template and, optionally, some of its special tokens renamed (id -> new text), made once per session."""
+    import json
+    import shutil
+
+    from m3jax.api import embedded_model_path
+
+    source = embedded_model_path()
+    if not (source / "config.json").is_file():
+        model_args(base_temp)
+        source = base_temp / "tiny-checkpoint"
+    path = base_temp / name
+    if (path / "config.json").is_file():
+        return path
+    tmp = base_temp / (name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(source, tmp)
+    if chat_template is not None:
+        (tmp / "chat_template.jinja").write_text(chat_template)
+    if special_tokens:
+        tokenizer = json.loads((tmp / "tokenizer.json").read_text())
+        for entry in tokenizer["added_tokens"]:
+            if entry["id"] in special_tokens:
+                assert entry["special"], entry
+                entry["content"] = special_tokens[entry["id"]]
+        (tmp / "tokenizer.json").write_text(json.dumps(tokenizer, ensure_ascii=False))
+        config_path = tmp / "tokenizer_config.json"
+        if config_path.is_file():
+            config = json.loads(config_path.read_text())
+            for key, entry in config.get("added_tokens_decoder", {}).items():
+                if int(key) in special_tokens:
+                    entry["content"] = special_tokens[int(key)]
+            config_path.write_text(json.dumps(config, ensure_ascii=False, indent=2))
+    tmp.rename(path)
+    return path
+
+
 def serve_command(extra_args: list[str], ports: tuple[str, str] = ("0", "0")) -> list[str]:
     return [sys.executable, "-m", "m3jax", "serve", "--grpc-port", ports[0], "--http-port", ports[1], *ENGINE_ARGS,
             *extra_args]

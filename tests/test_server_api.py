@@ -83,15 +83,36 @@ def test_openai_fields_map_to_sampling_params():
     assert (chat.max_tokens, chat.logprobs) == (5, 3)
     assert sampling_params({}, chat=True, max_model_len=256)[0].max_tokens == 256
     assert completion_prompt([[1, 2]]) == [1, 2] and completion_prompt(["a"]) == "a"
-    cases = [({"max_tokens": "5"}, "max_tokens"), ({"max_tokens": -1}, "max_tokens"), ({"n": 2}, "n"),
-             ({"temperature": "hot"}, "temperature"), ({"top_p": 0}, "top_p"), ({"stop": 5}, "stop"),
-             ({"stream_options": {}}, "stream_options"), ({"echo": True}, "echo")]
+    cases = [({"max_tokens": "5"}, "max_tokens"), ({"max_tokens": -1}, "max_tokens"), ({"n": 0}, "n"),
+             ({"n": 17}, "n"), ({"best_of": 3}, "best_of"), ({"temperature": "hot"}, "temperature"),
+             ({"top_p": 0}, "top_p"), ({"stop": 5}, "stop"), ({"stream_options": {}}, "stream_options"),
+             ({"echo": True, "logprobs": 1}, "echo"), ({"logit_bias": {"x": 1}}, "logit_bias"),
+             ({"logit_bias": {"1": 200}}, "logit_bias"), ({"logit_bias": [1]}, "logit_bias"),
+             ({"response_format": {"type": "xml"}}, "response_format"), ({"guided_choice": "a"}, "guided_choice"),
+             ({"structured_outputs": {"choice": []}}, "structured_outputs")]
     for body, param in cases:
         with pytest.raises(APIError) as e:
             sampling_params(body, chat=False, max_model_len=256)
         assert e.value.param == param and e.value.status == 400, body
     with pytest.raises(APIError, match="top_logprobs"):
         sampling_params({"top_logprobs": 2}, chat=True, max_model_len=256)
+    # n, logit_bias, echo and the spellings of structured output.
+    p, opts = sampling_params({"n": 3, "best_of": 3, "logit_bias": {"5": -100, "7": 2.5}, "echo": True,
+                               "response_format": {"type": "json_object"}}, chat=False, max_model_len=256)
+    assert (p.n, p.logit_bias, opts.echo, opts.structured_param) == (3, {5: -100.0, 7: 2.5}, True, "response_format")
+    assert p.structured_outputs.json_object
+    for body, param, kind in (({"guided_json": {"type": "object"}}, "guided_json", "json"),
+                              ({"guided_regex": "a+"}, "guided_regex", "regex"),
+                              ({"guided_choice": ["a", "b"]}, "guided_choice", "choice"),
+                              ({"guided_grammar": "start: \"a\""}, "guided_grammar", "grammar"),
+                              ({"structured_outputs": {"json": {"type": "object"}}}, "structured_outputs", "json"),
+                              ({"response_format": {"type": "json_schema", "json_schema": {
+                                  "name": "n", "schema": {"type": "object"}, "strict": True}}}, "response_format",
+                               "json")):
+        p, opts = sampling_params(body, chat=True, max_model_len=256)
+        assert opts.structured_param == param and getattr(p.structured_outputs, kind), body
+    assert sampling_params({"response_format": {"type": "text"}}, chat=True,
+                           max_model_len=256)[0].structured_outputs is None
     for bad in (b"\xff{}", b"{", b"[]", b'{"a": NaN}', b'{"prompt": "\\ud800"}'):
         with pytest.raises(APIError):
             parse_body(bad)
@@ -102,10 +123,7 @@ def test_openai_fields_map_to_sampling_params():
 def test_unsupported_and_unknown_fields_are_refused_by_name():
     """Every UNSUPPORTED field set to something is a 400 naming it; at its neutral value (or null) it passes;
     OpenAI's bookkeeping fields pass; an unknown field is a 400 naming it."""
-    asked = {"n": 2, "best_of": 3, "echo": True, "suffix": "x", "logit_bias": {"5": 1}, "tools": [{"type": "x"}],
-             "tool_choice": "auto", "functions": [{}], "function_call": "auto",
-             "response_format": {"type": "json_object"}, "structured_outputs": {"json": {}}, "guided_json": {},
-             "guided_regex": "a", "guided_choice": ["a"], "guided_grammar": "g", "reasoning_effort": "high",
+    asked = {"echo": True, "suffix": "x", "functions": [{}], "function_call": "auto", "reasoning_effort": "high",
              "include_stop_str_in_output": True, "min_tokens": 3, "prompt_logprobs": 1, "allowed_token_ids": [1],
              "bad_words": ["x"], "use_beam_search": True, "truncate_prompt_tokens": 5,
              "continue_final_message": True, "chat_template": "{{ x }}", "documents": [{}],
@@ -117,7 +135,7 @@ def test_unsupported_and_unknown_fields_are_refused_by_name():
         assert e.value.param == name and e.value.status == 400 and name in e.value.message, name
     neutral = {"n": 1, "best_of": 1, "echo": False, "suffix": "", "logit_bias": {}, "tools": [], "tool_choice": "none",
                "response_format": {"type": "text"}, "min_tokens": 0, "guided_json": None, "user": "u",
-               "metadata": {"a": "b"}, "parallel_tool_calls": False}
+               "metadata": {"a": "b"}, "parallel_tool_calls": False, "functions": [], "function_call": "none"}
     sampling_params(neutral, chat=True, max_model_len=256)
     with pytest.raises(APIError, match="unknown field `max_token`") as e:
         sampling_params({"max_token": 5}, chat=False, max_model_len=256)
@@ -364,7 +382,7 @@ def test_http_malformed_requests_get_clear_errors(server):
         (body(prompt=[1, 2], temperature="hot"), 400, "temperature", "number"),
         (body(prompt=5), 400, "prompt", "prompt"),
         (body(prompt=[1, 2], max_tokens=-4), 400, "max_tokens", "positive"),
-        (body(prompt=[1, 2], n=1000), 400, "n", "n=1"),
+        (body(prompt=[1, 2], n=1000), 400, "n", "`n` must be in [1, 16]"),
         (body(prompt=[1, 2], model="gpt-4"), 404, "model", "does not exist"),
         (body(prompt=[7] * 300), 400, "prompt", "model length"),
         (body(prompt=[[1], [2]]), 400, "prompt", "batch of 2"),
@@ -372,9 +390,10 @@ def test_http_malformed_requests_get_clear_errors(server):
         (body(prompt=[1, 2], stream="yes"), 400, "stream", "boolean"),
         # Nothing asked for is silently changed: a max_tokens that does not fit, fields this server lacks.
         (body(prompt=[1, 2], max_tokens=255), 400, "max_tokens", "is too large: 255"),
-        (body(prompt=[1, 2], tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools", "tool calling"),
-        (body(prompt=[1, 2], logit_bias={"5": 10}), 400, "logit_bias", "not supported"),
-        (body(prompt=[1, 2], response_format={"type": "json_object"}), 400, "response_format", "JSON mode"),
+        (body(prompt=[1, 2], tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools", "unknown field"),
+        (body(prompt=[1, 2], logit_bias={"5": 1000}), 400, "logit_bias", "[-100, 100]"),
+        (body(prompt=[1, 2], response_format={"type": "xml"}), 400, "response_format", "json_schema"),
+        (body(prompt=[1, 2], suffix="x"), 400, "suffix", "not supported"),
         (body(prompt=[1, 2], max_tokens=2, frobnicate=1), 400, "frobnicate", "unknown field"),
     ]
     for data, status, param, needle in cases:
@@ -397,7 +416,7 @@ def test_http_malformed_requests_get_clear_errors(server):
         got_status, got = _post(server, "/v1/chat/completions", data)
         assert got_status == 400 and needle in got["error"]["message"], got
     # Neutral values of unsupported fields, and OpenAI's bookkeeping fields, pass.
-    status, ok = _post(server, "/v1/completions", body(prompt=[1, 2, 3], max_tokens=2, n=1, tools=[], logit_bias={},
+    status, ok = _post(server, "/v1/completions", body(prompt=[1, 2, 3], max_tokens=2, n=1, suffix="", logit_bias={},
                                                        echo=False, user="someone", ignore_eos=True))
     assert status == 200 and ok["usage"]["completion_tokens"] == 2
     # openai raises its typed errors for them.

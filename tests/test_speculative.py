@@ -7,6 +7,7 @@ grammars keep their meaning; aborted speculative streams leave no page behind.""
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import numpy as np
@@ -217,3 +218,37 @@ def test_speculative_config_is_checked():
     with pytest.raises(ValueError, match="give the draft's directory"):
         Settings(model="m3-tiny", speculative_config={"method": "eagle3", "num_speculative_tokens": 2}
                  ).speculative().draft_path("m3-tiny")
+
+
+def test_server_with_speculation_reports_acceptance(tmp_path_factory):
+    """`m3jax serve --speculative-config ...` on loopback: answers, exports the speculation counters under both
+    names, and `m3jax bench serve` reports the acceptance length."""
+    import subprocess
+    import sys
+    import urllib.request
+
+    from serving_helpers import REPO, ServerProcess, scrape
+
+    tmp = tmp_path_factory.mktemp("spec-server")
+    srv = ServerProcess(["--speculative-config", _spec(3)], tmp / "server.log")
+    try:
+        body = json.dumps({"prompt": TEXTS[2], "max_tokens": 24, "temperature": 0}).encode()
+        req = urllib.request.Request(srv.http_url + "/v1/completions", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            assert json.loads(r.read())["usage"]["completion_tokens"] == 24
+        m = scrape(srv.http_url)
+        drafts = m["m3jax_spec_decode_num_drafts_total"]
+        assert drafts > 0 and m[f'vllm:spec_decode_num_drafts_total{{model_name="{srv.model}"}}'] == drafts
+        accepted = [m[f'm3jax_spec_decode_num_accepted_tokens_per_pos_total{{position="{i}"}}'] for i in range(3)]
+        assert sum(accepted) == m["m3jax_spec_decode_num_accepted_tokens_total"] > 0
+        out = tmp / "bench"
+        cmd = [sys.executable, "-m", "m3jax", "bench", "serve", "--base-url", srv.http_url, "--input-len", "16",
+               "--output-len", "16", "--concurrency", "2", "--num-prompts", "4", "--result-dir", str(out),
+               "--tag", "s", "--no-plot"]
+        proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True,
+                              text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert "acceptance length=" in proc.stdout
+        assert json.loads((out / "s-c2.json").read_text())["metrics"]["spec_acceptance_length"] >= 1.0
+    finally:
+        srv.kill()

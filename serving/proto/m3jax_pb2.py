@@ -24,41 +24,59 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19serving/proto/m3jax.proto\x12\x08m3jax.v1\"\x92\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x15\n\x08logprobs\x18\n \x01(\x05H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0b \x01(\x01H\x07\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0c \x01(\x01H\x08\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\r \x01(\x01H\t\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x0e \x01(\x08H\n\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x16\n\x14_skip_special_tokens\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"/\n\x04\x43hat\x12\'\n\x08messages\x18\x01 \x03(\x0b\x32\x15.m3jax.v1.ChatMessage\"\xb4\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\'\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x12.m3jax.v1.TokenIdsH\x00\x12\x1e\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x0e.m3jax.v1.ChatH\x00\x12*\n\x08sampling\x18\x05 \x01(\x0b\x32\x18.m3jax.v1.SamplingParamsB\x08\n\x06prompt\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"T\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12!\n\x03top\x18\x03 \x03(\x0b\x32\x14.m3jax.v1.TopLogprob\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\"\x99\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12(\n\x08logprobs\x18\x04 \x03(\x0b\x32\x16.m3jax.v1.TokenLogprob\x12-\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x16.m3jax.v1.FinishReason\x12\x15\n\x0bstop_string\x18\x06 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x07 \x01(\x05H\x00\x12\x1e\n\x05usage\x18\x08 \x01(\x0b\x32\x0f.m3jax.v1.Usage\x12\x18\n\x10prompt_token_ids\x18\t \x03(\x05\x42\r\n\x0bstop_reason\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x12\n\x10ModelInfoRequest\"\xdb\x02\n\x11ModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\x05\x12\x15\n\rhas_tokenizer\x18\x06 \x01(\x08\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x08 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\x11\n\tpage_size\x18\n \x01(\r\x12\x11\n\tnum_pages\x18\x0b \x01(\r\x12\x14\n\x0cpages_in_use\x18\x0c \x01(\r\x12\x13\n\x0bnum_waiting\x18\r \x01(\r\x12\x13\n\x0bnum_running\x18\x0e \x01(\r\x12\x1a\n\x12requests_in_flight\x18\x0f \x01(\r\x12\x11\n\tmax_queue\x18\x10 \x01(\r*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xcc\x01\n\x05M3Jax\x12\x43\n\x08Generate\x12\x19.m3jax.v1.GenerateRequest\x1a\x1a.m3jax.v1.GenerateResponse0\x01\x12\x38\n\x05\x41\x62ort\x12\x16.m3jax.v1.AbortRequest\x1a\x17.m3jax.v1.AbortResponse\x12\x44\n\tModelInfo\x12\x1a.m3jax.v1.ModelInfoRequest\x1a\x1b.m3jax.v1.ModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19serving/proto/m3jax.proto\x12\x08m3jax.v1\"\xd0\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x15\n\x08logprobs\x18\n \x01(\x05H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0b \x01(\x01H\x07\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0c \x01(\x01H\x08\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\r \x01(\x01H\t\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x0e \x01(\x08H\n\x88\x01\x01\x12\x0e\n\x01n\x18\x0f \x01(\rH\x0b\x88\x01\x01\x12;\n\nlogit_bias\x18\x10 \x03(\x0b\x32\'.m3jax.v1.SamplingParams.LogitBiasEntry\x12\x37\n\x12structured_outputs\x18\x11 \x01(\x0b\x32\x1b.m3jax.v1.StructuredOutputs\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x16\n\x14_skip_special_tokensB\x04\n\x02_n\"\x92\x01\n\x11StructuredOutputs\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12#\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x11.m3jax.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x93\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12&\n\ntool_calls\x18\x03 \x03(\x0b\x32\x12.m3jax.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x19\n\x11reasoning_content\x18\x05 \x01(\t\x12\x0c\n\x04name\x18\x06 \x01(\t\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"=\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\"\xd4\x02\n\x04\x43hat\x12\'\n\x08messages\x18\x01 \x03(\x0b\x32\x15.m3jax.v1.ChatMessage\x12\x1d\n\x05tools\x18\x02 \x03(\x0b\x32\x0e.m3jax.v1.Tool\x12\x1a\n\x10tool_choice_mode\x18\x03 \x01(\tH\x00\x12\x1e\n\x14tool_choice_function\x18\x04 \x01(\tH\x00\x12 \n\x13parallel_tool_calls\x18\x05 \x01(\x08H\x01\x88\x01\x01\x12\x44\n\x14\x63hat_template_kwargs\x18\x06 \x03(\x0b\x32&.m3jax.v1.Chat.ChatTemplateKwargsEntry\x1a\x39\n\x17\x43hatTemplateKwargsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\r\n\x0btool_choiceB\x16\n\x14_parallel_tool_calls\"\xb4\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\'\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x12.m3jax.v1.TokenIdsH\x00\x12\x1e\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x0e.m3jax.v1.ChatH\x00\x12*\n\x08sampling\x18\x05 \x01(\x0b\x32\x18.m3jax.v1.SamplingParamsB\x08\n\x06prompt\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"T\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12!\n\x03top\x18\x03 \x03(\x0b\x32\x14.m3jax.v1.TopLogprob\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\"\xed\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12(\n\x08logprobs\x18\x04 \x03(\x0b\x32\x16.m3jax.v1.TokenLogprob\x12-\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x16.m3jax.v1.FinishReason\x12\x15\n\x0bstop_string\x18\x06 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x07 \x01(\x05H\x00\x12\x1e\n\x05usage\x18\x08 \x01(\x0b\x32\x0f.m3jax.v1.Usage\x12\x18\n\x10prompt_token_ids\x18\t \x03(\x05\x12\r\n\x05index\x18\n \x01(\r\x12\x16\n\x0ereasoning_text\x18\x0b \x01(\t\x12+\n\ntool_calls\x18\x0c \x03(\x0b\x32\x17.m3jax.v1.ToolCallDeltaB\r\n\x0bstop_reason\"K\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x12\n\x10ModelInfoRequest\"\xdb\x02\n\x11ModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\x05\x12\x15\n\rhas_tokenizer\x18\x06 \x01(\x08\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x08 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\x11\n\tpage_size\x18\n \x01(\r\x12\x11\n\tnum_pages\x18\x0b \x01(\r\x12\x14\n\x0cpages_in_use\x18\x0c \x01(\r\x12\x13\n\x0bnum_waiting\x18\r \x01(\r\x12\x13\n\x0bnum_running\x18\x0e \x01(\r\x12\x1a\n\x12requests_in_flight\x18\x0f \x01(\r\x12\x11\n\tmax_queue\x18\x10 \x01(\r*\x96\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x04\x32\xcc\x01\n\x05M3Jax\x12\x43\n\x08Generate\x12\x19.m3jax.v1.GenerateRequest\x1a\x1a.m3jax.v1.GenerateResponse0\x01\x12\x38\n\x05\x41\x62ort\x12\x16.m3jax.v1.AbortRequest\x1a\x17.m3jax.v1.AbortResponse\x12\x44\n\tModelInfo\x12\x1a.m3jax.v1.ModelInfoRequest\x1a\x1b.m3jax.v1.ModelInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'serving.proto.m3jax_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1813
-  _globals['_FINISHREASON']._serialized_end=1933
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_CHAT_CHATTEMPLATEKWARGSENTRY']._loaded_options = None
+  _globals['_CHAT_CHATTEMPLATEKWARGSENTRY']._serialized_options = b'8\001'
+  _globals['_FINISHREASON']._serialized_start=2860
+  _globals['_FINISHREASON']._serialized_end=3010
   _globals['_SAMPLINGPARAMS']._serialized_start=40
-  _globals['_SAMPLINGPARAMS']._serialized_end=570
-  _globals['_TOKENIDS']._serialized_start=572
-  _globals['_TOKENIDS']._serialized_end=595
-  _globals['_CHATMESSAGE']._serialized_start=597
-  _globals['_CHATMESSAGE']._serialized_end=641
-  _globals['_CHAT']._serialized_start=643
-  _globals['_CHAT']._serialized_end=690
-  _globals['_GENERATEREQUEST']._serialized_start=693
-  _globals['_GENERATEREQUEST']._serialized_end=873
-  _globals['_TOPLOGPROB']._serialized_start=875
-  _globals['_TOPLOGPROB']._serialized_end=922
-  _globals['_TOKENLOGPROB']._serialized_start=924
-  _globals['_TOKENLOGPROB']._serialized_end=1008
-  _globals['_USAGE']._serialized_start=1010
-  _globals['_USAGE']._serialized_end=1089
-  _globals['_GENERATERESPONSE']._serialized_start=1092
-  _globals['_GENERATERESPONSE']._serialized_end=1373
-  _globals['_ABORTREQUEST']._serialized_start=1375
-  _globals['_ABORTREQUEST']._serialized_end=1409
-  _globals['_ABORTRESPONSE']._serialized_start=1411
-  _globals['_ABORTRESPONSE']._serialized_end=1441
-  _globals['_MODELINFOREQUEST']._serialized_start=1443
-  _globals['_MODELINFOREQUEST']._serialized_end=1461
-  _globals['_MODELINFORESPONSE']._serialized_start=1464
-  _globals['_MODELINFORESPONSE']._serialized_end=1811
-  _globals['_M3JAX']._serialized_start=1936
-  _globals['_M3JAX']._serialized_end=2140
+  _globals['_SAMPLINGPARAMS']._serialized_end=760
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=533
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=581
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=763
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=909
+  _globals['_CHOICES']._serialized_start=911
+  _globals['_CHOICES']._serialized_end=937
+  _globals['_TOKENIDS']._serialized_start=939
+  _globals['_TOKENIDS']._serialized_end=962
+  _globals['_CHATMESSAGE']._serialized_start=965
+  _globals['_CHATMESSAGE']._serialized_end=1112
+  _globals['_TOOLCALL']._serialized_start=1114
+  _globals['_TOOLCALL']._serialized_end=1169
+  _globals['_TOOL']._serialized_start=1171
+  _globals['_TOOL']._serialized_end=1232
+  _globals['_CHAT']._serialized_start=1235
+  _globals['_CHAT']._serialized_end=1575
+  _globals['_CHAT_CHATTEMPLATEKWARGSENTRY']._serialized_start=1479
+  _globals['_CHAT_CHATTEMPLATEKWARGSENTRY']._serialized_end=1536
+  _globals['_GENERATEREQUEST']._serialized_start=1578
+  _globals['_GENERATEREQUEST']._serialized_end=1758
+  _globals['_TOPLOGPROB']._serialized_start=1760
+  _globals['_TOPLOGPROB']._serialized_end=1807
+  _globals['_TOKENLOGPROB']._serialized_start=1809
+  _globals['_TOKENLOGPROB']._serialized_end=1893
+  _globals['_USAGE']._serialized_start=1895
+  _globals['_USAGE']._serialized_end=1974
+  _globals['_GENERATERESPONSE']._serialized_start=1977
+  _globals['_GENERATERESPONSE']._serialized_end=2342
+  _globals['_TOOLCALLDELTA']._serialized_start=2344
+  _globals['_TOOLCALLDELTA']._serialized_end=2419
+  _globals['_ABORTREQUEST']._serialized_start=2421
+  _globals['_ABORTREQUEST']._serialized_end=2455
+  _globals['_ABORTRESPONSE']._serialized_start=2457
+  _globals['_ABORTRESPONSE']._serialized_end=2487
+  _globals['_MODELINFOREQUEST']._serialized_start=2489
+  _globals['_MODELINFOREQUEST']._serialized_end=2507
+  _globals['_MODELINFORESPONSE']._serialized_start=2510
+  _globals['_MODELINFORESPONSE']._serialized_end=2857
+  _globals['_M3JAX']._serialized_start=3013
+  _globals['_M3JAX']._serialized_end=3217
 # @@protoc_insertion_point(module_scope)

@@ -56,8 +56,9 @@ class M3JaxServicer:
 
     def Generate(self, request, context):
         """Stream one request's generation: one message per generated token (its id, the text it completed, its
-        logprobs), the last one with finish_reason and usage. Cancelling the call or letting its deadline pass
-        aborts the request and frees its KV pages.
+        logprobs) of each choice, each choice's last one with finish_reason, the stream's last one with usage
+        (all choices' tokens). Cancelling the call or letting its deadline pass aborts the request and frees its
+        KV pages.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -13,7 +13,7 @@ import numpy as np
 from m3jax.batch import Batch, KVPages, RowPlan, build_batch, page_size
 from m3jax.config import M3Config
 from m3jax.model import ForwardOutput, forward
-from m3jax.sharding import ShardingRules, make_rules, shard_params
+from m3jax.sharding import ShardingRules, make_abstract_rules, make_rules, shard_params
 from pallas_kernels.choice import KernelChoice
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -36,7 +36,8 @@ class M3Model:
         self.dtype = dtype
         self.path = path
         self.page_size = page_size(cfg)
-        self.kernels = (kernels or KernelChoice("auto", "auto")).resolve(rules.mesh.size)
+        # The ops are sharded by the same rules as the params (pallas_kernels/sharded.py).
+        self.kernels = (kernels or KernelChoice("auto", "auto")).resolve(rules.mesh.size).on(rules.topology)
         # cfg and the kernel choice are frozen dataclasses, so they can be static arguments; the pool is donated.
         self._forward: Callable[..., ForwardOutput] = jax.jit(forward, static_argnums=(1, 4), donate_argnums=(2,))
 
@@ -46,44 +47,76 @@ class M3Model:
                kernels: KernelChoice | None = None) -> M3Model:
         """Place host params (numpy pytree matching `param_specs(cfg)`) on a mesh of `tensor_parallel_size`.
 
-        When the MoE layers run the Pallas kernels, their weights are also laid out once for them
-        (`checkpoints.prepare`), in `moe_weight_format` ("bf16", or "mxfp8" / "mxfp4" to keep them 8- / 4-bit on
-        the device). `kernels`: what each op family runs (default: "auto", resolved for this backend).
+        When the MoE layers run the Pallas kernels (compiled or interpreted), their weights are also laid out
+        once for them (`checkpoints.prepare`, each device its own shard), in `moe_weight_format` ("bf16", or
+        "mxfp8" / "mxfp4" to keep them 8- / 4-bit on the device). `kernels`: what each op family runs (default:
+        "auto", resolved for this backend).
         """
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         rules = make_rules(tensor_parallel_size, expert_parallel)
         params = shard_params(host_params, cfg, rules)
-        kernels = (kernels or KernelChoice("auto", "auto")).resolve(rules.mesh.size)
-        if kernels.moe == "pallas" and "moe" in cfg.mlp_types:
+        kernels = (kernels or KernelChoice("auto", "auto")).resolve(rules.mesh.size).on(rules.topology)
+        if kernels.moe != "reference" and "moe" in cfg.mlp_types:
             from checkpoints.prepare import prepare_params
 
-            params = prepare_params(params, moe_weight_format, keep_reference=False)
+            params = prepare_params(params, moe_weight_format, keep_reference=False, topology=rules.topology)
         return cls(cfg, params, rules, _DTYPES[dtype], path, kernels)
 
     @classmethod
     def abstract(cls, cfg: M3Config, dtype: str = "bfloat16", moe_weight_format: str = "bf16",
-                 kernels: KernelChoice | None = None) -> M3Model:
+                 kernels: KernelChoice | None = None, tensor_parallel_size: int = 1,
+                 expert_parallel: bool = False) -> M3Model:
         """A model whose params are shapes only (`jax.ShapeDtypeStruct`), laid out as `create` would lay them
-        out: enough to trace, lower and compile its steps ahead of time, for any size, on any machine."""
+        out: enough to trace, lower and compile its steps ahead of time, for any size, on any machine. On
+        several devices the mesh is abstract (no devices needed) and every param carries its placement, so the
+        sharded step lowers for N devices anywhere (`pallas_kernels.gpu_lowering.lower_for_gpu`)."""
         from m3jax.params import init_params
 
-        kernels = (kernels or KernelChoice("auto", "auto")).resolve(1)
+        rules = make_rules(1) if tensor_parallel_size == 1 else make_abstract_rules(tensor_parallel_size,
+                                                                                     expert_parallel)
+        kernels = (kernels or KernelChoice("auto", "auto")).resolve(tensor_parallel_size).on(rules.topology)
         params = jax.eval_shape(lambda: init_params(cfg, dtype=_DTYPES[dtype]))
-        if kernels.moe == "pallas" and "moe" in cfg.mlp_types:
+        if rules.topology.sharded:
+            params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params,
+                                  rules.param_shardings(cfg))
+        if kernels.moe != "reference" and "moe" in cfg.mlp_types:
             from checkpoints.prepare import prepare_params
 
-            params = jax.eval_shape(lambda p: prepare_params(p, moe_weight_format, keep_reference=False), params)
-        return cls(cfg, params, make_rules(1), _DTYPES[dtype], kernels=kernels)
+            prepared = jax.eval_shape(lambda p: prepare_params(p, moe_weight_format, keep_reference=False,
+                                                               topology=rules.topology), params)
+            if rules.topology.sharded:
+                prepared = _place_prepared(prepared, params, rules)
+            params = prepared
+        return cls(cfg, params, rules, _DTYPES[dtype], kernels=kernels)
+
+    def page_shapes(self, num_pages: int) -> KVPages:
+        """The page pool's shapes, dtypes and placements (`jax.ShapeDtypeStruct`s): per layer run K and V
+        `[layers, pages, page_size, K', hd]`, K' = the KV heads the mesh holds (`Topology.kv_heads`: the model's,
+        or one per device when TP exceeds them and they are replicated); index-K `[layers, pages, page_size,
+        hdi]`, replicated."""
+        cfg = self.cfg
+        width = self.kernels.topology.kv_heads(cfg.num_heads, cfg.num_kv_heads)
+        axes = ("layers", "pages", "page_slots", "kv_heads", "head_dim")
+
+        def kv(layers: int) -> jax.ShapeDtypeStruct:
+            shape = (layers, num_pages, self.page_size, width, cfg.head_dim)
+            return jax.ShapeDtypeStruct(shape, self.dtype, sharding=self.rules.sharding(shape, axes, "kv pages"))
+
+        def index(layers: int) -> jax.ShapeDtypeStruct:
+            shape = (layers, num_pages, self.page_size, cfg.index_head_dim)
+            return jax.ShapeDtypeStruct(shape, self.dtype, sharding=self.rules.replicated())
+
+        runs = cfg.layer_runs
+        return KVPages([kv(r.count) for r in runs], [kv(r.count) for r in runs],
+                       [index(r.count) if r.attn == "sparse" else None for r in runs])
 
     def new_pages(self, num_pages: int) -> KVPages:
         """A page pool (page 0 is the padding sink, never handed out)."""
-        axes = ("layers", "pages", "page_slots", "kv_heads", "head_dim")
-        sharding = self.rules.sharding((1, num_pages, self.page_size, self.cfg.num_kv_heads, self.cfg.head_dim),
-                                       axes, "kv pages")
-        # Every array committed to the mesh up front: a step's outputs then have the inputs' placement, so the
-        # next step hits the same compiled executable.
-        return KVPages.empty(self.cfg, num_pages, self.dtype, sharding, self.rules.replicated())
+        # Every array committed to the mesh up front, made in place there (a KV pool can be most of a device's
+        # memory): a step's outputs then have the inputs' placement, so the next step hits the same executable.
+        return jax.tree.map(lambda s: jax.jit(lambda: jnp.zeros(s.shape, s.dtype), out_shardings=s.sharding)(),
+                            self.page_shapes(num_pages))
 
     def step(self, kv: KVPages, batch: Batch) -> ForwardOutput:
         """One jitted forward over a flat ragged batch; `kv` is donated (use the returned one)."""
@@ -151,6 +184,25 @@ class M3Model:
             raise ValueError(f"sequence length {ids.shape[1]} exceeds max_position_embeddings="
                              f"{self.cfg.max_position_embeddings}")
         return ids.astype(np.int32)
+
+
+def _place_prepared(prepared: Any, params: Any, rules: ShardingRules) -> Any:
+    """Shapes-only prepared params with the placements `checkpoints.prepare` gives the real ones."""
+    from jax.sharding import NamedSharding
+
+    from pallas_kernels.sharded import expert_spec
+
+    topo = rules.topology
+    runs = []
+    for run, orig in zip(prepared["runs"], params["runs"], strict=True):
+        if "moe" in run:
+            mode = topo.moe_mode(orig["moe"]["router"].shape[-1], orig["moe"]["w_gate"].shape[-1])
+            experts = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(
+                rules.mesh, expert_spec(k, v.ndim, topo, mode))) for k, v in run["moe"]["experts"].items()}
+            moe = {k: orig["moe"][k] if k != "experts" else experts for k in run["moe"]}
+            run = dict(run, moe=moe)
+        runs.append({k: run[k] if k == "moe" else orig[k] for k in run})
+    return dict(params, runs=runs)
 
 
 def embedded_model_path() -> Path:

@@ -76,13 +76,15 @@ class LayerPages:
 def msa_select(p: Params, cfg: M3Config, h_TD: jax.Array, batch: Batch, rope: tuple[jax.Array, ...],
                index_k: jax.Array, kernels: KernelChoice) -> tuple[jax.Array, jax.Array]:
     """MSA index branch: write this step's index-K, then pick blocks per (KV group, query token): [T, K, N]."""
-    iq = rms_norm(jnp.einsum("td,dgi->tgi", h_TD, p["wq"]), p["q_norm"], cfg.rms_norm_eps)
-    ik = rms_norm(jnp.einsum("td,di->ti", h_TD, p["wk"])[:, None, :], p["k_norm"], cfg.rms_norm_eps)
+    impl, topo = kernels.attention, kernels.topology
+    iq = rms_norm(ops.project(h_TD, p["wq"], "index.wq", impl=impl, topology=topo), p["q_norm"], cfg.rms_norm_eps)
+    ik = rms_norm(ops.project(h_TD, p["wk"], "index.wk", impl=impl, topology=topo)[:, None, :], p["k_norm"],
+                  cfg.rms_norm_eps)
     iq, ik = apply_rope(iq, *rope), apply_rope(ik, *rope)
-    index_k = ops.write_kv_pages(index_k, ik[:, 0], batch.slot_mapping, impl=kernels.attention)
+    index_k = ops.write_kv_pages(index_k, ik[:, 0], batch.slot_mapping, impl=impl, topology=topo)
     blocks = ops.paged_select_blocks(iq, index_k, batch.page_table, batch.token_row, batch.positions,
                                      topk=cfg.index_topk_blocks, local_blocks=cfg.index_local_blocks,
-                                     init_blocks=cfg.index_init_blocks, impl=kernels.attention)
+                                     init_blocks=cfg.index_init_blocks, impl=impl, topology=topo)
     return index_k, blocks
 
 
@@ -91,19 +93,19 @@ def attention(p: Params, cfg: M3Config, kind: str, h_TD: jax.Array, batch: Batch
               kernels: KernelChoice) -> tuple[jax.Array, LayerPages, jax.Array | None]:
     """Self-attention of one layer: project, QK-norm, RoPE, write K/V pages, attend (dense or MSA)."""
     a = p["attn"]
-    q = rms_norm(jnp.einsum("td,dhk->thk", h_TD, a["wq"]), a["q_norm"], cfg.rms_norm_eps)
-    k = rms_norm(jnp.einsum("td,dhk->thk", h_TD, a["wk"]), a["k_norm"], cfg.rms_norm_eps)
-    v = jnp.einsum("td,dhk->thk", h_TD, a["wv"])
+    impl, topo = kernels.attention, kernels.topology
+    q = rms_norm(ops.project(h_TD, a["wq"], "attn.wq", impl=impl, topology=topo), a["q_norm"], cfg.rms_norm_eps)
+    k = rms_norm(ops.project(h_TD, a["wk"], "attn.wk", impl=impl, topology=topo), a["k_norm"], cfg.rms_norm_eps)
+    v = ops.project(h_TD, a["wv"], "attn.wv", impl=impl, topology=topo)
     q, k = apply_rope(q, *rope), apply_rope(k, *rope)  # norm before RoPE; V gets neither
-    impl = kernels.attention
-    k_pages = ops.write_kv_pages(pages.k, k, batch.slot_mapping, impl=impl)
-    v_pages = ops.write_kv_pages(pages.v, v, batch.slot_mapping, impl=impl)
+    k_pages = ops.write_kv_pages(pages.k, k, batch.slot_mapping, impl=impl, topology=topo)
+    v_pages = ops.write_kv_pages(pages.v, v, batch.slot_mapping, impl=impl, topology=topo)
     scale = cfg.head_dim ** -0.5
 
     index_k, blocks = pages.index_k, None
     if kind == "dense":
         o = ops.paged_dense_attention(q, k_pages, v_pages, batch.page_table, batch.token_row, batch.positions, scale,
-                                      impl=impl)
+                                      impl=impl, topology=topo)
     else:
         def select() -> tuple[jax.Array, jax.Array]:
             return msa_select(p["index"], cfg, h_TD, batch, rope, index_k, kernels)
@@ -116,8 +118,8 @@ def attention(p: Params, cfg: M3Config, kind: str, h_TD: jax.Array, batch: Batch
         else:  # decided per layer inside a scan
             index_k, blocks = jax.lax.cond(recompute, select, lambda: (index_k, reuse_blocks))
         o = ops.paged_block_sparse_attention(q, k_pages, v_pages, batch.page_table, batch.token_row,
-                                             batch.positions, blocks, scale=scale, impl=impl)
-    return jnp.einsum("thk,hkd->td", o, a["wo"]), LayerPages(k_pages, v_pages, index_k), blocks
+                                             batch.positions, blocks, scale=scale, impl=impl, topology=topo)
+    return ops.project(o, a["wo"], "attn.wo", impl=impl, topology=topo), LayerPages(k_pages, v_pages, index_k), blocks
 
 
 # ---- MLPs --------------------------------------------------------------------------------------------------
@@ -128,10 +130,10 @@ def mlp(p: Params, cfg: M3Config, kind: str, h_TD: jax.Array, batch: Batch, kern
     if kind == "dense":
         m = p["mlp"]
         return ops.dense_mlp(h_TD, m["w_gate"], m["w_up"], m["w_down"], alpha=cfg.swiglu_alpha,
-                             limit=cfg.swiglu_limit)
+                             limit=cfg.swiglu_limit, impl=kernels.moe, topology=kernels.topology)
     return ops.moe(h_TD, p["moe"], top_k=cfg.num_experts_per_tok, routed_scaling=cfg.routed_scaling_factor,
                    alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit, impl=kernels.moe, layer=layer,
-                   num_valid=batch.query_start[-1])
+                   num_valid=batch.query_start[-1], topology=kernels.topology)
 
 
 # ---- the decoder -------------------------------------------------------------------------------------------

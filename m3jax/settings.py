@@ -86,8 +86,8 @@ class Settings:
                                   "(auto: Pallas on a GPU, jnp references elsewhere; interpret: the Pallas "
                                   "kernels in the interpreter)", KERNELS, choices=KERNEL_CHOICES,
                                   env="M3JAX_ATTENTION_IMPL")
-    moe_kernels: str = knob("auto", "the MoE grouped GEMMs (auto: Pallas on one GPU, jnp references elsewhere)",
-                            KERNELS, choices=KERNEL_CHOICES, env="M3JAX_MOE_IMPL")
+    moe_kernels: str = knob("auto", "the MoE grouped GEMMs and dense MLPs (auto: Pallas on GPUs, on any number of "
+                            "them, jnp references elsewhere)", KERNELS, choices=KERNEL_CHOICES, env="M3JAX_MOE_IMPL")
     # ---- server ----
     host: str = knob("127.0.0.1", "address both servers bind (127.0.0.1: this machine only; 0.0.0.0: every "
                      "interface)", SERVER)

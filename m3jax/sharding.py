@@ -3,19 +3,26 @@
 TP2 / TP4 / TP8 and expert parallelism are different rules over the same model code. The mesh has a single
 axis "tp"; with `expert_parallel` the routed experts are split across it instead of their inner width.
 A logical axis whose size the mesh axis does not divide stays replicated (M3's 4 KV heads under TP8, say).
+
+The kernels read the same table: `ShardingRules.topology` is its hashable copy that rides in the static
+`KernelChoice`, and both place arrays through `Topology.spec_for`. What each device runs under a rules object
+(attention heads split or KV heads replicated, MoE split by width or by experts) is decided from it in
+`pallas_kernels/topology.py`; the page pool's KV-head axis follows (`Topology.kv_heads`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
 from m3jax.config import M3Config
 from m3jax.params import ParamSpec, map_specs, param_specs
+from pallas_kernels.topology import Topology
 
 TP = "tp"
 
@@ -28,29 +35,24 @@ _TENSOR_PARALLEL: dict[str, str | None] = {
     "mlp": TP,
     "expert_mlp": TP,
     "experts": None,
+    # The MoE kernels' prepared stacks (checkpoints/prepare.py): routed experts and the shared one as slots.
+    "expert_slots": None,
 }
-_EXPERT_PARALLEL = {**_TENSOR_PARALLEL, "experts": TP, "expert_mlp": None}
+_EXPERT_PARALLEL = {**_TENSOR_PARALLEL, "experts": TP, "expert_slots": TP, "expert_mlp": None}
 
 
 @dataclasses.dataclass(frozen=True)
 class ShardingRules:
-    mesh: Mesh
+    mesh: Mesh | AbstractMesh  # abstract: shapes-only models (M3Model.abstract), lowered without devices
     rules: dict[str, str | None]
 
+    @functools.cached_property
+    def topology(self) -> Topology:
+        """This table as the kernels see it (static, hashable): the mesh axis, its size and the rules."""
+        return Topology(int(self.mesh.shape[TP]), TP, tuple(sorted(self.rules.items())))
+
     def spec_for(self, shape: tuple[int, ...], axes: tuple[str, ...], what: str = "") -> PartitionSpec:
-        out: list[str | None] = []
-        for size, axis in zip(shape, axes, strict=True):
-            mesh_axis = self.rules.get(axis)
-            # A mesh axis of size 1 splits nothing; naming it anyway gives shardings that equal a step's
-            # (unnamed) output placement in effect but not in jit's cache key, and would recompile every bucket.
-            if mesh_axis is not None and (size % self.mesh.shape[mesh_axis] != 0 or self.mesh.shape[mesh_axis] == 1):
-                mesh_axis = None
-            if mesh_axis is not None and mesh_axis in out:
-                raise ValueError(f"{what}: logical axes {axes} put two dimensions on mesh axis {mesh_axis!r}")
-            out.append(mesh_axis)
-        while out and out[-1] is None:  # the canonical form jit gives its outputs: same placement, same cache key
-            out.pop()
-        return PartitionSpec(*out)
+        return self.topology.spec_for(shape, axes, what)
 
     def sharding(self, shape: tuple[int, ...], axes: tuple[str, ...], what: str = "") -> NamedSharding:
         return NamedSharding(self.mesh, self.spec_for(shape, axes, what))
@@ -68,6 +70,15 @@ def make_rules(tensor_parallel_size: int = 1, expert_parallel: bool = False,
     if tensor_parallel_size < 1 or tensor_parallel_size > len(devices):
         raise ValueError(f"tensor_parallel_size={tensor_parallel_size} but {len(devices)} device(s) are visible")
     mesh = Mesh(np.array(devices[:tensor_parallel_size]), (TP,))
+    return ShardingRules(mesh, _EXPERT_PARALLEL if expert_parallel else _TENSOR_PARALLEL)
+
+
+def make_abstract_rules(tensor_parallel_size: int = 1, expert_parallel: bool = False) -> ShardingRules:
+    """The same rules over an abstract mesh of `tensor_parallel_size` devices (no devices needed): for tracing and
+    lowering a deployment's step ahead of time, e.g. for N GPUs on a CPU (`pallas_kernels.gpu_lowering`)."""
+    if tensor_parallel_size < 1:
+        raise ValueError(f"tensor_parallel_size={tensor_parallel_size}")
+    mesh = AbstractMesh((tensor_parallel_size,), (TP,), axis_types=(AxisType.Auto,))
     return ShardingRules(mesh, _EXPERT_PARALLEL if expert_parallel else _TENSOR_PARALLEL)
 
 

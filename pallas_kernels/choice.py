@@ -9,6 +9,12 @@ M3JAX_MOE_IMPL) once, when a configuration is built.
 - "pallas": the compiled Pallas kernels (Triton lowering): what a GPU runs.
 - "interpret": the same kernels through Pallas' interpreter: how CI checks them on the CPU.
 - "reference": the plain-jnp definitions.
+
+`topology` (pallas_kernels/topology.py): the device mesh and sharding rules the forward runs under. On more than
+one device every op family runs through `jax.shard_map` (pallas_kernels/sharded.py), whatever the implementation:
+each device runs the kernel (or the reference) on its own shard, and XLA never has to partition a `pallas_call`
+(which it cannot: it would gather the operands onto every device). `M3Model` attaches its rules' topology
+(`KernelChoice.on`); a choice without one runs every op unsharded.
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+
+from pallas_kernels.topology import SINGLE, Topology
 
 IMPLS = ("reference", "pallas", "interpret")
 CHOICES = ("auto", *IMPLS)
@@ -25,6 +33,7 @@ CHOICES = ("auto", *IMPLS)
 class KernelChoice:
     attention: str = "reference"  # ragged paged attention, MSA index + top-k, block-sparse attention, KV writes
     moe: str = "reference"  # the fused MoE grouped GEMMs
+    topology: Topology = SINGLE  # the mesh and rules the ops are sharded by (one device: none)
 
     def __post_init__(self) -> None:
         for family in ("attention", "moe"):
@@ -33,13 +42,17 @@ class KernelChoice:
                 raise ValueError(f"kernel choice for {family}: {value!r} is not one of {CHOICES}")
 
     def resolve(self, device_count: int = 1) -> KernelChoice:
-        """'auto' -> the Pallas kernels on a GPU, the references elsewhere. The MoE kernels run on one device only
-        (their pallas_call has no shard_map yet: under TP / EP sharding XLA would gather every expert's weights
-        onto each device before the kernel)."""
+        """'auto' -> the Pallas kernels on a GPU, the references elsewhere, on any number of devices (the sharded
+        ops run the kernels per shard; `device_count` no longer changes the choice and is kept for callers)."""
+        del device_count
         gpu = jax.default_backend() == "gpu"
         attention = self.attention if self.attention != "auto" else "pallas" if gpu else "reference"
-        moe = self.moe if self.moe != "auto" else "pallas" if gpu and device_count == 1 else "reference"
-        return KernelChoice(attention, moe)
+        moe = self.moe if self.moe != "auto" else "pallas" if gpu else "reference"
+        return dataclasses.replace(self, attention=attention, moe=moe)
+
+    def on(self, topology: Topology) -> KernelChoice:
+        """The same choice, run under `topology` (a rules object's `.topology`)."""
+        return dataclasses.replace(self, topology=topology)
 
     @property
     def resolved(self) -> bool:

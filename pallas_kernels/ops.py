@@ -1,16 +1,115 @@
 """The one entry point the model calls for each hot op. Each op takes `impl`, its family's part of the static
 `pallas_kernels.choice.KernelChoice`; the family's `dispatch` module then picks kernel tiles (or the jnp
-reference where a shape cannot be tiled) from the real shapes. Callers never import a kernel directly."""
+reference where a shape cannot be tiled) from the real shapes. Callers never import a kernel directly.
+
+`topology` (the choice's `topology`): on more than one device each op runs through its `jax.shard_map` wrapper in
+`pallas_kernels/sharded.py`, every device on its own shard with the same dispatch (tiles from the shard's shapes);
+on one device (the default) the dispatch is called directly."""
 
 from __future__ import annotations
 
-from pallas_kernels.attention.dispatch import (
-    paged_block_sparse_attention,
-    paged_dense_attention,
-    paged_select_blocks,
-    write_kv_pages,
-)
-from pallas_kernels.moe.dispatch import dense_mlp, moe
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import sharded
+from pallas_kernels.attention import dispatch as _attn
+from pallas_kernels.linear import dispatch as _linear
+from pallas_kernels.moe import dispatch as _moe
+from pallas_kernels.topology import SINGLE, Topology
 
 __all__ = ["paged_dense_attention", "paged_select_blocks", "paged_block_sparse_attention", "write_kv_pages", "moe",
-           "dense_mlp"]
+           "dense_mlp", "project", "PROJECTION_AXES"]
+
+# Logical axes of the projection weights the model runs through `project` (as declared in m3jax/params.py;
+# tests/test_sharding.py holds the two to each other): the sharded kernel path places them by the rules table.
+PROJECTION_AXES = {
+    "attn.wq": ("embed", "q_heads", "head_dim"),
+    "attn.wk": ("embed", "kv_heads", "head_dim"),
+    "attn.wv": ("embed", "kv_heads", "head_dim"),
+    "attn.wo": ("q_heads", "head_dim", "embed"),
+    "index.wq": ("embed", "index_heads", "head_dim"),
+    "index.wk": ("embed", "head_dim"),
+}
+
+
+def project(x: jax.Array, w: jax.Array, name: str, *, impl: str, topology: Topology = SINGLE) -> jax.Array:
+    """x [T, *in] @ w [*in, *out] for the projection `name` (PROJECTION_AXES), w's leading x.ndim - 1 axes
+    contracted. M = T <= 64 rows with a kernel impl: the small-M Pallas kernel (pallas_kernels/linear), per shard
+    under a topology; otherwise XLA's GEMM (partitioned by XLA), exactly the einsum the model ran before."""
+    axes = PROJECTION_AXES[name]
+    n_in = x.ndim - 1
+    local_w = sharded.local_shape(w.shape, axes, topology) if topology.sharded else w.shape
+    k = n = 1
+    for d in local_w[:n_in]:
+        k *= d
+    for d in local_w[n_in:]:
+        n *= d
+    if not _linear.uses_kernel(x.shape[0], k, n, impl):
+        return jnp.tensordot(x, w, axes=n_in)
+    if topology.sharded:
+        return sharded.project(x, w, axes, impl=impl, topology=topology)
+    return sharded.project_local(x, w, impl=impl)
+
+
+def dense_mlp(h_TD: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, *, alpha: float, limit: float,
+              impl: str = "reference", topology: Topology = SINGLE) -> jax.Array:
+    """The dense SwiGLU-OAI MLP (layers 0-2): through the small-M linear kernel where it applies to every one of
+    its GEMMs at the shard's shapes (M <= 64), else XLA's GEMMs (`moe.reference.dense_mlp`)."""
+    T, D = h_TD.shape
+    F = w_gate.shape[1]
+    Fl = sharded.local_shape(w_gate.shape, ("embed", "mlp"), topology)[1] if topology.sharded else F
+    if not (_linear.uses_kernel(T, D, Fl, impl) and _linear.uses_kernel(T, Fl, D, impl)):
+        return _moe.dense_mlp(h_TD, w_gate, w_up, w_down, alpha=alpha, limit=limit)
+    if topology.sharded:
+        return sharded.dense_mlp(h_TD, w_gate, w_up, w_down, alpha=alpha, limit=limit, impl=impl, topology=topology)
+    from pallas_kernels.moe.reference import swiglu_oai
+
+    act = swiglu_oai(_linear.linear(h_TD, w_gate, impl=impl), _linear.linear(h_TD, w_up, impl=impl), alpha=alpha,
+                     limit=limit)
+    return _linear.linear(act, w_down, impl=impl)
+
+
+def paged_dense_attention(q_THD: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table_RN: jax.Array,
+                          token_row_T: jax.Array, pos_T: jax.Array, scale: float, *, impl: str,
+                          topology: Topology = SINGLE) -> jax.Array:
+    args = (q_THD, k_pages, v_pages, page_table_RN, token_row_T, pos_T, scale)
+    if topology.sharded:
+        return sharded.paged_dense_attention(*args, impl=impl, topology=topology)
+    return _attn.paged_dense_attention(*args, impl=impl)
+
+
+def paged_select_blocks(iq_TGD: jax.Array, ik_pages: jax.Array, page_table_RN: jax.Array, token_row_T: jax.Array,
+                        pos_T: jax.Array, *, topk: int, local_blocks: int, init_blocks: int = 0, impl: str,
+                        topology: Topology = SINGLE) -> jax.Array:
+    args = (iq_TGD, ik_pages, page_table_RN, token_row_T, pos_T)
+    kw = {"topk": topk, "local_blocks": local_blocks, "init_blocks": init_blocks, "impl": impl}
+    if topology.sharded:
+        return sharded.paged_select_blocks(*args, **kw, topology=topology)
+    return _attn.paged_select_blocks(*args, **kw)
+
+
+def paged_block_sparse_attention(q_THD: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                                 page_table_RN: jax.Array, token_row_T: jax.Array, pos_T: jax.Array,
+                                 blocks_TGN: jax.Array, *, scale: float, impl: str,
+                                 topology: Topology = SINGLE) -> jax.Array:
+    args = (q_THD, k_pages, v_pages, page_table_RN, token_row_T, pos_T, blocks_TGN)
+    if topology.sharded:
+        return sharded.paged_block_sparse_attention(*args, scale=scale, impl=impl, topology=topology)
+    return _attn.paged_block_sparse_attention(*args, scale=scale, impl=impl)
+
+
+def write_kv_pages(pages: jax.Array, new_T: jax.Array, slot_T: jax.Array, *, impl: str,
+                   topology: Topology = SINGLE) -> jax.Array:
+    if topology.sharded:
+        return sharded.write_kv_pages(pages, new_T, slot_T, impl=impl, topology=topology)
+    return _attn.write_kv_pages(pages, new_T, slot_T, impl=impl)
+
+
+def moe(h_TD: jax.Array, p: dict, *, top_k: int, routed_scaling: float, alpha: float, limit: float, impl: str,
+        layer: jax.Array | int | None = None, num_valid: jax.Array | None = None,
+        topology: Topology = SINGLE) -> jax.Array:
+    kw = {"top_k": top_k, "routed_scaling": routed_scaling, "alpha": alpha, "limit": limit, "impl": impl,
+          "layer": layer, "num_valid": num_valid}
+    if topology.sharded:
+        return sharded.moe(h_TD, p, **kw, topology=topology)
+    return _moe.moe(h_TD, p, **kw)

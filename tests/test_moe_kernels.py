@@ -448,7 +448,8 @@ def test_kernel_choice_resolves_by_backend_and_device_count() -> None:
     gpu = jax.default_backend() == "gpu"
     assert KernelChoice("auto", "auto").resolve(1) == KernelChoice("pallas" if gpu else "reference",
                                                                     "pallas" if gpu else "reference")
-    assert KernelChoice("auto", "auto").resolve(4).moe == "reference"  # no shard_map around the MoE kernels yet
+    # The sharded ops run the MoE kernels per device (pallas_kernels/sharded.py): the device count changes nothing.
+    assert KernelChoice("auto", "auto").resolve(4).moe == ("pallas" if gpu else "reference")
     assert KernelChoice("interpret", "auto").resolve(1).attention == "interpret"
     with pytest.raises(ValueError, match="not one of"):
         KernelChoice("bogus")

@@ -1,7 +1,8 @@
 """MoE / MLP implementation choice: the one place that picks kernel or reference for the MoE ops.
 
 `moe(..., impl=...)` takes the MoE part of a resolved `pallas_kernels.choice.KernelChoice` (a static value of the
-forward): "pallas" (the Pallas grouped-GEMM kernels; what `KernelChoice.resolve` picks on a single GPU),
+forward): "pallas" (the Pallas grouped-GEMM kernels; what `KernelChoice.resolve` picks on GPUs: on several, each
+device runs this on its shard inside pallas_kernels/sharded.py's shard_map),
 "interpret" (the same kernels run by the Pallas interpreter, how CI checks them on the CPU) or "reference".
 
 The kernels read the layout that `checkpoints.prepare.prepare_params` adds at load time, `p["experts"]` (keys
@@ -9,8 +10,8 @@ and shapes in pallas_kernels/moe/layout.py: dense bf16, MXFP8 or MXFP4, the shar
 Without it they read the params' own w_gate / w_up / w_down in place (bf16 only) and run the shared expert
 through XLA. Tile shapes per token count come from pallas_kernels/moe/tiles.py.
 
-`dense_mlp` (layers 0-2) stays the XLA reference: three dense GEMMs that XLA already runs near its matmul
-rate at prefill sizes.
+`dense_mlp` here (layers 0-2) is the XLA reference: three dense GEMMs that XLA already runs near its matmul rate at
+prefill sizes; `pallas_kernels.ops.dense_mlp` takes the small-M linear kernel (pallas_kernels/linear) at M <= 64.
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ from jax.experimental.pallas import triton as pltriton
 from pallas_kernels import mx
 from pallas_kernels.moe import kernel_mgpu, layout
 from pallas_kernels.moe.reference import dense_mlp, route, swiglu_oai
-from pallas_kernels.moe.tiles import KernelTiles, MoeTiles, block_and_tile, fit_tiles, pick_tiles
+from pallas_kernels.moe.tiles import KernelTiles, MoeTiles, block_and_tile, fill_shard, fit_tiles, pick_tiles
 from pallas_kernels.sync import when_last
 
 
@@ -79,7 +79,23 @@ def sort_and_pad(idx_TK: jax.Array, w_TK: jax.Array, *, num_slots: int, shared_s
     if shared_slot:
         e_TJ = jnp.concatenate([e_TJ, jnp.full((T, 1), num_slots - 1, jnp.int32)], axis=1)
         w_TJ = jnp.concatenate([w_TJ, jnp.ones((T, 1), jnp.float32)], axis=1)
-    J = e_TJ.shape[1]
+    return _pairs_layout(e_TJ, w_TJ, num_slots=num_slots, bm=bm, method=method)
+
+
+def pairs_layout(e_TJ: jax.Array, w_TJ: jax.Array, *, num_slots: int, bm: int,
+                 method: str | None = None) -> RowLayout:
+    """`sort_and_pad` for explicit (token, slot) pairs with their fp32 combine weights, where slot `num_slots`
+    means "computed nowhere" (an expert-parallel device's pairs of other devices' experts): those pairs sort
+    into row blocks of their own after every real slot's, whose `slot_B` is -1 (the kernels return at once), and
+    the combine must mask them (`combine(..., valid_TJ=e_TJ < num_slots)`): their rows are never written."""
+    lay = _pairs_layout(e_TJ.astype(jnp.int32), w_TJ.astype(jnp.float32), num_slots=num_slots + 1, bm=bm,
+                        method=method)
+    skip_B = lay.slot_B == num_slots
+    return dataclasses.replace(lay, slot_B=jnp.where(skip_B, -1, lay.slot_B), rows_B=jnp.where(skip_B, 0, lay.rows_B))
+
+
+def _pairs_layout(e_TJ: jax.Array, w_TJ: jax.Array, *, num_slots: int, bm: int, method: str | None) -> RowLayout:
+    T, J = e_TJ.shape
     R = T * J
     if T == 1:
         # One token: its J slots are distinct (top-k picks distinct experts; the shared slot is another one),
@@ -419,6 +435,21 @@ def kernel_tiles(num_tokens: int, experts: dict, *, tiles: MoeTiles | None = Non
     return fit_tiles(tiles, d_model, d_ff, fmt)
 
 
+def _fitted_tiles(T: int, J: int, experts: dict, tiles: MoeTiles | None, interpret: bool) -> MoeTiles:
+    """The call's tiles; the table's (tiles=None) filled for a narrow shard's width (`tiles.fill_shard`, from the
+    static bound on the row blocks of T tokens' J pairs each)."""
+    given = tiles
+    tiles = kernel_tiles(T, experts, tiles=tiles, interpret=interpret)
+    if tiles is None:
+        raise ValueError(f"no MoE tile fits these expert shapes ({layout.weight_format(experts)}); use the reference")
+    if given is None and not interpret:
+        gate = layout.weight_arrays(experts, "gate")
+        d_model = gate[1].shape[-2] * layout.MX_GROUP if len(gate) > 1 else gate[0].shape[-2]
+        nb = max_row_blocks(T * J, layout.num_slots(experts), tiles.bm)
+        tiles = fill_shard(tiles, nb, d_model, gate[0].shape[-1])
+    return tiles
+
+
 def routed_experts_pallas(h_TD: jax.Array, idx_TK: jax.Array, w_TK: jax.Array, experts: dict, *,
                           shared_slot: bool, routed_scaling: float, alpha: float, limit: float,
                           tiles: MoeTiles | None = None, layout_method: str | None = None,
@@ -426,17 +457,33 @@ def routed_experts_pallas(h_TD: jax.Array, idx_TK: jax.Array, w_TK: jax.Array, e
     """fp32 [T, D]: routed_scaling * sum_k w[t,k] Expert_idx(h[t]) (+ the shared slot's output, weight 1).
     `layout_method`: sort_and_pad's (None: by size; benchmarks time both). `layer`: `experts` is a run's stack
     [layers, S, ...] and this is layer `layer` of it."""
-    T = h_TD.shape[0]
-    fmt = layout.weight_format(experts)
-    tiles = kernel_tiles(T, experts, tiles=tiles, interpret=interpret)
-    if tiles is None:
-        raise ValueError(f"no MoE tile fits these expert shapes ({fmt}); use the reference")
-    S = layout.num_slots(experts)
-    lay = sort_and_pad(idx_TK, w_TK, num_slots=S, shared_slot=shared_slot, bm=tiles.bm,
+    tiles = _fitted_tiles(h_TD.shape[0], idx_TK.shape[1] + int(shared_slot), experts, tiles, interpret)
+    lay = sort_and_pad(idx_TK, w_TK, num_slots=layout.num_slots(experts), shared_slot=shared_slot, bm=tiles.bm,
                        routed_scaling=routed_scaling, method=layout_method)
+    return _grouped_gemms(h_TD, lay, experts, tiles, alpha=alpha, limit=limit, interpret=interpret, layer=layer)
+
+
+def pairs_pallas(h_TD: jax.Array, e_TJ: jax.Array, w_TJ: jax.Array, experts: dict, *, alpha: float, limit: float,
+                 tiles: MoeTiles | None = None, layout_method: str | None = None, interpret: bool = False,
+                 layer: jax.Array | int | None = None) -> jax.Array:
+    """fp32 [T, D]: sum_j w[t, j] Slot_e[t, j](h[t]) over explicit (token, slot) pairs with their combine weights;
+    a pair whose slot is `num_slots(experts)` is computed nowhere and adds nothing (`pairs_layout`). What one
+    expert-parallel device runs on its own slots (pallas_kernels/sharded.py)."""
+    tiles = _fitted_tiles(h_TD.shape[0], e_TJ.shape[1], experts, tiles, interpret)
+    S = layout.num_slots(experts)
+    lay = pairs_layout(e_TJ, w_TJ, num_slots=S, bm=tiles.bm, method=layout_method)
+    return _grouped_gemms(h_TD, lay, experts, tiles, alpha=alpha, limit=limit, interpret=interpret, layer=layer,
+                          valid_TJ=e_TJ < S)
+
+
+def _grouped_gemms(h_TD: jax.Array, lay: RowLayout, experts: dict, tiles: MoeTiles, *, alpha: float,
+                   limit: float, interpret: bool, layer: jax.Array | int | None,
+                   valid_TJ: jax.Array | None = None) -> jax.Array:
+    """gate_up -> down -> combine over a row layout."""
     if layer is not None:
         # The kernels read the whole stack, as one flat slot axis, at this layer's slots: a slice of the stack
         # would be copied into a buffer of its own for the custom call (a layer's experts every layer).
+        S = layout.num_slots(experts)
         experts = {k: v.reshape(-1, *v.shape[2:]) if k != layout.WIDE_SCALES else v for k, v in experts.items()}
         lay = dataclasses.replace(lay, slot_B=jnp.where(lay.slot_B >= 0, lay.slot_B + layer * S, -1))
     if tiles.backend == "mosaic":
@@ -445,21 +492,28 @@ def routed_experts_pallas(h_TD: jax.Array, idx_TK: jax.Array, w_TK: jax.Array, e
                                      alpha=alpha, limit=limit, interpret=interpret)
         y_MD = kernel_mgpu.down(act_MF, lay.slot_B, lay.rows_B, experts, tiles.dn, group=group,
                                 interpret=interpret)
-        return combine(y_MD, lay.dest_TJ, lay.w_TJ)
+        return combine(y_MD, lay.dest_TJ, lay.w_TJ, valid_TJ)
     act_MF = gate_up(h_TD, lay.row_token_M, lay.slot_B, lay.rows_B, experts, tiles, alpha=alpha, limit=limit,
                      interpret=interpret)
     y_MD = down(act_MF, lay.slot_B, lay.rows_B, experts, tiles, interpret=interpret)
-    return combine(y_MD, lay.dest_TJ, lay.w_TJ)
+    return combine(y_MD, lay.dest_TJ, lay.w_TJ, valid_TJ)
 
 
-def combine(y_MD: jax.Array, dest_TJ: jax.Array, w_TJ: jax.Array) -> jax.Array:
+def combine(y_MD: jax.Array, dest_TJ: jax.Array, w_TJ: jax.Array, valid_TJ: jax.Array | None = None) -> jax.Array:
     """fp32 [T, D]: each token's k (+1) rows of down's output (or of its split-K partials [split, M, D]),
     gathered, weighted by their routing weights and summed in fp32. Rows are owned by one program each, so
-    this needs no atomics and is deterministic."""
+    this needs no atomics and is deterministic. `valid_TJ`: pairs to count (the others' rows were never
+    written and may hold anything, NaN included: selected away, not multiplied by 0)."""
     # A multiply and a reduce (one XLA reduce fusion), not an einsum, which could become a GEMM launch.
     if y_MD.ndim == 3:
-        return jnp.sum(y_MD[:, dest_TJ] * w_TJ[None, :, :, None], axis=(0, 2))
-    return jnp.sum(y_MD[dest_TJ].astype(jnp.float32) * w_TJ[:, :, None], axis=1)
+        terms = y_MD[:, dest_TJ] * w_TJ[None, :, :, None]
+        if valid_TJ is not None:
+            terms = jnp.where(valid_TJ[None, :, :, None], terms, 0.0)
+        return jnp.sum(terms, axis=(0, 2))
+    terms = y_MD[dest_TJ].astype(jnp.float32) * w_TJ[:, :, None]
+    if valid_TJ is not None:
+        terms = jnp.where(valid_TJ[:, :, None], terms, 0.0)
+    return jnp.sum(terms, axis=1)
 
 
 def moe_pallas(h_TD: jax.Array, p: dict, *, top_k: int, routed_scaling: float, alpha: float, limit: float,

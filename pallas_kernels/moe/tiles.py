@@ -159,6 +159,29 @@ for _reg in ("decode", "mid", "prefill"):
 # one (moe-h200-streamk-2.json, docs/benchmarks.md).
 SINGLE_TOKEN_DOWN_SPLIT = {"mxfp8": 2}
 
+# Per-shard fill (the topology-aware part of this table). The decode entries were measured at M3's full expert
+# width (F = 3072: 48 gate_up output tiles of 64 columns per slot). A TP shard holds F / devices columns: at TP8
+# one token's 5 slots make 5 x 6 = 30 gate_up programs for 132 multiprocessors, a quarter of the GPU streaming the
+# weights. So, for decode tiles whose gate_up grid (row blocks x N tiles) falls under NUM_SMS programs, gate_up's
+# K is split (2 or 4 ways, the last program of a tile summing the partials; kernel.py) until it does not: TP8 at
+# T = 1: 30 -> 120 programs, TP4: 60 -> 240. Full-width shards (TP1, EP) never trigger it (T = 1: 240 programs).
+# From occupancy, not measured: benchmarks/bench_projection.py times the per-shard MoE at these shapes.
+NUM_SMS = 132
+SHARD_FILL_MAX_SPLIT = 4
+
+
+def fill_shard(tiles: MoeTiles, num_blocks: int, d_model: int, d_ff: int) -> MoeTiles:
+    """`tiles` with gate_up's K split until its grid of `num_blocks` row blocks x N tiles holds NUM_SMS programs
+    (decode regime, Triton backend, tiles not already split; see above)."""
+    gu = tiles.gu
+    if tiles.regime != "decode" or tiles.backend != "triton" or gu.split > 1 or d_ff % gu.bn:
+        return tiles
+    programs, steps, split = num_blocks * (d_ff // gu.bn), d_model // gu.bk, 1
+    while programs * split < NUM_SMS and split < SHARD_FILL_MAX_SPLIT and steps % (2 * split) == 0:
+        split *= 2
+    return tiles if split == 1 else tiles.replace(gu=dataclasses.replace(gu, split=split))
+
+
 # Interpret mode (CPU tests) runs every program as a loop iteration: tiny tiles keep the test shapes
 # (D, F of a few hundred) multi-tile in every direction, which is what the tests are about.
 INTERPRET_TILES = MoeTiles("interpret", bm=16, gu=KernelTiles(bn=64, bk=128, warps=4, stages=1),

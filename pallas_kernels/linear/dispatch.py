@@ -1,0 +1,33 @@
+"""Dense linear implementation choice: the small-M Pallas kernel, or XLA's GEMM.
+
+`linear(x, w, impl=...)` takes an op family's part of a resolved `KernelChoice` (the attention projections: the
+attention family's; the dense MLPs: the MoE / MLP family's): "pallas" / "interpret" run the split-K kernel where
+`tiles.pick_tiles` gives tiles for the shard's shapes (M <= 64 rows), "reference" and every other shape run
+`reference.linear` (XLA). `uses_kernel` tells callers, statically, which one a call will take, so that a sharded
+caller wraps only the kernel in a shard_map and leaves XLA's GEMMs to XLA's partitioner.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from pallas_kernels.choice import IMPLS
+from pallas_kernels.linear import kernel, reference
+from pallas_kernels.linear.tiles import LinearTiles, pick_tiles
+
+
+def tiles_for(m: int, k: int, n: int, impl: str) -> LinearTiles | None:
+    if impl not in IMPLS:
+        raise ValueError(f"linear impl {impl!r}: expected one of {IMPLS} (resolve the KernelChoice first)")
+    return None if impl == "reference" else pick_tiles(m, k, n)
+
+
+def uses_kernel(m: int, k: int, n: int, impl: str) -> bool:
+    return tiles_for(m, k, n, impl) is not None
+
+
+def linear(x_MK: jax.Array, w_KN: jax.Array, *, impl: str) -> jax.Array:
+    tiles = tiles_for(x_MK.shape[0], *w_KN.shape, impl)
+    if tiles is None:
+        return reference.linear(x_MK, w_KN)
+    return kernel.linear(x_MK, w_KN, tiles=tiles, interpret=impl == "interpret")

@@ -1,0 +1,58 @@
+"""Small-M dense linear in Pallas (Triton lowering on the GPU, interpret mode on the CPU): split-K weight streaming.
+
+Grid (N tiles, K splits). Program (j, s) accumulates x[:, K range s] @ w[K range s, j-th bn columns] in fp32 over
+`bk`-deep pipelined steps, all bm rows of x against each weight tile (the weight is read exactly once across the
+grid, x once per program: it is tiny). Unsplit, it writes its tile in the output dtype; split, its fp32 partial
+[split, bm, N], summed by XLA afterwards in split order (deterministic; at M <= 64 the partials are a few percent of
+the weight's bytes and are read back from L2).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.linear.tiles import LinearTiles
+
+
+def _linear_kernel(x_ref, w_ref, o_ref, *, bn: int, bk: int, per_split: int, split: int):
+    j, s = pl.program_id(0), pl.program_id(1)
+    n0 = pl.multiple_of(j * bn, bn)
+
+    def step(i, acc):
+        k0 = pl.multiple_of((s * per_split + i) * bk, bk)
+        return acc + jnp.dot(x_ref[:, pl.ds(k0, bk)], w_ref[pl.ds(k0, bk), pl.ds(n0, bn)],
+                             preferred_element_type=jnp.float32)
+
+    acc = lax.fori_loop(0, per_split, step, jnp.zeros((x_ref.shape[0], bn), jnp.float32))
+    if split == 1:
+        o_ref[:, pl.ds(n0, bn)] = acc.astype(o_ref.dtype)
+    else:
+        o_ref[s, :, pl.ds(n0, bn)] = acc
+
+
+def linear(x_MK: jax.Array, w_KN: jax.Array, *, tiles: LinearTiles, interpret: bool = False) -> jax.Array:
+    """x @ w for M <= tiles.bm rows, in x's dtype (fp32 accumulation)."""
+    M, K = x_MK.shape
+    K2, N = w_KN.shape
+    if K != K2 or tiles.bm < M or K % (tiles.bk * tiles.split) or N % tiles.bn:
+        raise ValueError(f"linear kernel: x {x_MK.shape} @ w {w_KN.shape} does not fit tiles {tiles}")
+    x = jnp.pad(x_MK, ((0, tiles.bm - M), (0, 0))).astype(w_KN.dtype)
+    shape = (tiles.bm, N) if tiles.split == 1 else (tiles.split, tiles.bm, N)
+    out = pl.pallas_call(
+        functools.partial(_linear_kernel, bn=tiles.bn, bk=tiles.bk, per_split=K // tiles.bk // tiles.split,
+                          split=tiles.split),
+        out_shape=jax.ShapeDtypeStruct(shape, x_MK.dtype if tiles.split == 1 else jnp.float32),
+        grid=(N // tiles.bn, tiles.split),
+        compiler_params=plgpu.CompilerParams(num_warps=tiles.warps, num_stages=tiles.stages),
+        interpret=interpret,
+        name=f"linear_bm{tiles.bm}_bn{tiles.bn}_split{tiles.split}",
+    )(x, w_KN)
+    if tiles.split > 1:
+        out = jnp.sum(out, axis=0)
+    return out[:M].astype(x_MK.dtype)

@@ -1,0 +1,51 @@
+"""The small-M linear kernel's tile table: from the shard's shapes (M rows, K in, N out) to tiles, or None (XLA).
+
+At M <= 64 rows (decode and small mixed steps) a projection reads its whole weight once and does almost no math:
+it is bound by HBM bandwidth alone, and the floor is the weight's bytes over 4.8 TB/s. XLA's GEMMs at these sizes
+run at ~1.4-1.5 TB/s on the H200 (issue 23). The kernel (kernel.py) streams the weight in [bk, bn] tiles, all M
+rows of x (padded to 16, Triton's smallest dot) against each, and splits K across programs until the grid holds
+about two programs per multiprocessor (M3's projections have few output tiles per shard: q at TP8 is
+6144 x 1024, 16 tiles of 64 columns), the fp32 partials summed afterwards. The entries are chosen from that
+occupancy argument, not yet measured: benchmarks/bench_projection.py times them against XLA ("linear" records)
+at every shard shape of TP4 / TP8 / EP8, and this table is where the measured choice goes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from pallas_kernels.attention.tuning import NUM_SMS, pow2_at_least
+
+MAX_M = 64  # above: XLA's GEMM (compute starts to matter; its tiles are tuned for it)
+MAX_SPLIT = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearTiles:
+    bm: int  # rows of x per dot (M padded to it: a power of two, at least 16)
+    bn: int  # output columns per program
+    bk: int  # K per pipelined step
+    split: int  # programs sharing an output tile, each over 1/split of K (fp32 partials)
+    warps: int = 4
+    stages: int = 4
+
+
+def pick_tiles(m: int, k: int, n: int, *, max_m: int = MAX_M) -> LinearTiles | None:
+    """Tiles for an [m, k] @ [k, n] shard, or None when the XLA GEMM should run it (m too large, or no tile
+    divides the shapes)."""
+    if m > max_m or m < 1:
+        return None
+    bm = max(16, pow2_at_least(m))
+    bn = 64
+    while bn > 16 and n % bn:
+        bn //= 2
+    bk = 128 if bm <= 32 else 64  # keep the [bm, bk] x tile and the [bk, bn] weight tile within registers
+    while bk > 16 and k % bk:
+        bk //= 2
+    if n % bn or k % bk:
+        return None
+    steps, tiles = k // bk, n // bn
+    split = 1
+    while tiles * split < 2 * NUM_SMS and split < MAX_SPLIT and steps % (2 * split) == 0:
+        split *= 2
+    return LinearTiles(bm=bm, bn=bn, bk=bk, split=split)

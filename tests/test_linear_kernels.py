@@ -1,0 +1,103 @@
+"""The small-M linear kernel (interpret mode) against its jnp reference, its tile table and dispatch, the
+projections through `ops.project` (one device and sharded: column- and row-parallel), and its GPU lowering at
+M3's per-shard projection shapes."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from m3jax.config import preset
+from m3jax.params import layer_specs
+from m3jax.sharding import make_rules
+from pallas_kernels import ops
+from pallas_kernels.gpu_lowering import count_triton_kernels, lower_for_gpu
+from pallas_kernels.linear import dispatch, kernel, reference
+from pallas_kernels.linear.tiles import MAX_M, LinearTiles, pick_tiles
+
+
+def _normal(seed: int, *shape: int) -> jax.Array:
+    return jnp.asarray(np.random.default_rng(seed).normal(size=shape).astype(np.float32))
+
+
+@pytest.mark.parametrize("m,k,n,split", [(1, 256, 96, 1), (5, 256, 96, 2), (37, 512, 64, 4), (64, 128, 48, 1)])
+def test_kernel_equals_reference(m, k, n, split):
+    x, w = _normal(m, m, k), _normal(k, k, n)
+    tiles = LinearTiles(bm=max(16, 1 << (m - 1).bit_length()), bn=16, bk=64, split=split)
+    got = kernel.linear(x, w, tiles=tiles, interpret=True)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(reference.linear(x, w)), rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match="does not fit"):
+        kernel.linear(x, w[:, :n - 8], tiles=tiles, interpret=True)
+
+
+def test_tile_table():
+    assert pick_tiles(MAX_M + 1, 6144, 1024) is None  # prefill sizes stay with XLA
+    t = pick_tiles(1, 6144, 1024)  # q projection of one TP8 shard: 16 output tiles, split to fill the GPU
+    assert (t.bm, t.bn, t.split) == (16, 64, 16) and 6144 % (t.bk * t.split) == 0
+    assert pick_tiles(8, 3072, 6144).split == 4  # down-like: many output tiles, less split
+    assert pick_tiles(3, 100, 64) is None  # no tile divides K
+    assert dispatch.uses_kernel(8, 256, 64, "interpret") and not dispatch.uses_kernel(8, 256, 64, "reference")
+    with pytest.raises(ValueError, match="resolve the KernelChoice"):
+        dispatch.uses_kernel(8, 256, 64, "auto")
+
+
+def test_projection_axes_are_the_params():
+    """ops.PROJECTION_AXES, which places the kernel path's weights, says what m3jax/params.py declares."""
+    cfg = preset("m3-tiny")
+    spec = layer_specs(cfg, cfg.attn_types.index("sparse"))
+    for name, axes in ops.PROJECTION_AXES.items():
+        group, key = name.split(".")
+        assert spec[group][key].axes == axes, name
+
+
+def test_project_and_dense_mlp_on_one_device():
+    x, wq, wo = _normal(1, 6, 64), _normal(2, 64, 4, 16), _normal(3, 4, 16, 64)
+    np.testing.assert_allclose(ops.project(x, wq, "attn.wq", impl="interpret"),
+                               jnp.einsum("td,dhk->thk", x, wq), rtol=1e-5, atol=1e-4)
+    o = _normal(4, 6, 4, 16)
+    np.testing.assert_allclose(ops.project(o, wo, "attn.wo", impl="interpret"),
+                               jnp.einsum("thk,hkd->td", o, wo), rtol=1e-5, atol=1e-4)
+    g, u, d = _normal(5, 64, 96), _normal(6, 64, 96), _normal(7, 96, 64)
+    want = ops.dense_mlp(x, g, u, d, alpha=1.702, limit=7.0)  # XLA
+    got = ops.dense_mlp(x, g, u, d, alpha=1.702, limit=7.0, impl="interpret")
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+    big = _normal(8, MAX_M + 1, 64)  # XLA's GEMM: no kernel in the jaxpr
+    assert "pallas_call" not in str(jax.make_jaxpr(lambda a: ops.project(a, wq, "attn.wq", impl="interpret"))(big))
+
+
+def test_project_sharded_column_and_row_parallel():
+    """Column-parallel q (heads split: each device its heads' columns) and row-parallel o (each device its
+    heads' rows, partial outputs summed) and the dense MLP (F split) through the kernel per shard, under TP4."""
+    if len(jax.devices()) < 4:
+        pytest.skip("needs 4 devices")
+    rules = make_rules(4)
+    topo = rules.topology
+    # On the mesh, as the model's operands are (the shard_maps bind to their devices).
+    x, wq, wo, o = jax.device_put((_normal(1, 6, 64), _normal(2, 64, 8, 16), _normal(3, 8, 16, 64),
+                                   _normal(4, 6, 8, 16)), rules.replicated())
+    for name, a, w, eq in (("attn.wq", x, wq, "td,dhk->thk"), ("attn.wo", o, wo, "thk,hkd->td")):
+        fn = jax.jit(lambda a, w, name=name: ops.project(a, w, name, impl="interpret", topology=topo))
+        assert "pallas_call" in str(jax.make_jaxpr(fn)(a, w)) and "shard_map" in str(jax.make_jaxpr(fn)(a, w))
+        np.testing.assert_allclose(fn(a, w), jnp.einsum(eq, a, w), rtol=1e-5, atol=1e-4)
+    g, u, d = jax.device_put((_normal(5, 64, 128), _normal(6, 64, 128), _normal(7, 128, 64)), rules.replicated())
+    got = jax.jit(lambda *a: ops.dense_mlp(*a, alpha=1.702, limit=7.0, impl="interpret", topology=topo))(x, g, u, d)
+    np.testing.assert_allclose(got, ops.dense_mlp(x, g, u, d, alpha=1.702, limit=7.0), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("tp", [1, 4, 8])
+def test_m3_shard_projections_lower_for_the_gpu(tp):
+    """Each of M3's projections at one device's shard of TP1 / TP4 / TP8, at decode sizes, lowers to the Triton
+    kernel (bf16)."""
+    cfg = preset("m3-full")
+    D, H, K, hd, F = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.dense_intermediate_size
+    shapes = [(D, H * hd // tp), (D, max(1, K // tp) * hd), (H * hd // tp, D), (D, F // tp), (F // tp, D),
+              (D, max(1, K // tp) * cfg.index_head_dim), (D, cfg.index_head_dim)]
+    for m in (1, 32, 64):
+        for k, n in shapes:
+            t = pick_tiles(m, k, n)
+            assert t is not None, (m, k, n)
+            text = lower_for_gpu(lambda x, w, t=t: kernel.linear(x, w, tiles=t),
+                                 jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((k, n), jnp.bfloat16))
+            assert count_triton_kernels(text) == 1

@@ -74,12 +74,13 @@ class LayerPages:
 
 
 def msa_select(p: Params, cfg: M3Config, h_TD: jax.Array, batch: Batch, rope: tuple[jax.Array, ...],
-               index_k: jax.Array, kernels: KernelChoice) -> tuple[jax.Array, jax.Array]:
+               index_k: jax.Array, kernels: KernelChoice, layer: jax.Array | int) -> tuple[jax.Array, jax.Array]:
     """MSA index branch: write this step's index-K, then pick blocks per (KV group, query token): [T, K, N]."""
     impl, topo = kernels.attention, kernels.topology
-    iq = rms_norm(ops.project(h_TD, p["wq"], "index.wq", impl=impl, topology=topo), p["q_norm"], cfg.rms_norm_eps)
-    ik = rms_norm(ops.project(h_TD, p["wk"], "index.wk", impl=impl, topology=topo)[:, None, :], p["k_norm"],
+    iq = rms_norm(ops.project(h_TD, p["wq"], "index.wq", impl=impl, topology=topo, layer=layer), p["q_norm"],
                   cfg.rms_norm_eps)
+    ik = rms_norm(ops.project(h_TD, p["wk"], "index.wk", impl=impl, topology=topo, layer=layer)[:, None, :],
+                  p["k_norm"], cfg.rms_norm_eps)
     iq, ik = apply_rope(iq, *rope), apply_rope(ik, *rope)
     index_k = ops.write_kv_pages(index_k, ik[:, 0], batch.slot_mapping, impl=impl, topology=topo)
     blocks = ops.paged_select_blocks(iq, index_k, batch.page_table, batch.token_row, batch.positions,
@@ -90,13 +91,18 @@ def msa_select(p: Params, cfg: M3Config, h_TD: jax.Array, batch: Batch, rope: tu
 
 def attention(p: Params, cfg: M3Config, kind: str, h_TD: jax.Array, batch: Batch, rope: tuple[jax.Array, ...],
               pages: LayerPages, reuse_blocks: jax.Array | None, recompute: jax.Array | bool,
-              kernels: KernelChoice) -> tuple[jax.Array, LayerPages, jax.Array | None]:
-    """Self-attention of one layer: project, QK-norm, RoPE, write K/V pages, attend (dense or MSA)."""
+              kernels: KernelChoice, layer: jax.Array | int) -> tuple[jax.Array, LayerPages, jax.Array | None]:
+    """Self-attention of one layer: project, QK-norm, RoPE, write K/V pages, attend (dense or MSA). The
+    projection weights (p["attn"]["w*"], p["index"]["w*"]) are the run's whole stacks, read at `layer`."""
     a = p["attn"]
     impl, topo = kernels.attention, kernels.topology
-    q = rms_norm(ops.project(h_TD, a["wq"], "attn.wq", impl=impl, topology=topo), a["q_norm"], cfg.rms_norm_eps)
-    k = rms_norm(ops.project(h_TD, a["wk"], "attn.wk", impl=impl, topology=topo), a["k_norm"], cfg.rms_norm_eps)
-    v = ops.project(h_TD, a["wv"], "attn.wv", impl=impl, topology=topo)
+
+    def project(x: jax.Array, name: str) -> jax.Array:
+        return ops.project(x, a[name], f"attn.{name}", impl=impl, topology=topo, layer=layer)
+
+    q = rms_norm(project(h_TD, "wq"), a["q_norm"], cfg.rms_norm_eps)
+    k = rms_norm(project(h_TD, "wk"), a["k_norm"], cfg.rms_norm_eps)
+    v = project(h_TD, "wv")
     q, k = apply_rope(q, *rope), apply_rope(k, *rope)  # norm before RoPE; V gets neither
     k_pages = ops.write_kv_pages(pages.k, k, batch.slot_mapping, impl=impl, topology=topo)
     v_pages = ops.write_kv_pages(pages.v, v, batch.slot_mapping, impl=impl, topology=topo)
@@ -108,7 +114,7 @@ def attention(p: Params, cfg: M3Config, kind: str, h_TD: jax.Array, batch: Batch
                                       impl=impl, topology=topo)
     else:
         def select() -> tuple[jax.Array, jax.Array]:
-            return msa_select(p["index"], cfg, h_TD, batch, rope, index_k, kernels)
+            return msa_select(p["index"], cfg, h_TD, batch, rope, index_k, kernels, layer)
 
         # Cross-layer top-k reuse (opt-in): a reusing layer's index-K is never read, so it is not written.
         if reuse_blocks is None or recompute is True:
@@ -119,36 +125,44 @@ def attention(p: Params, cfg: M3Config, kind: str, h_TD: jax.Array, batch: Batch
             index_k, blocks = jax.lax.cond(recompute, select, lambda: (index_k, reuse_blocks))
         o = ops.paged_block_sparse_attention(q, k_pages, v_pages, batch.page_table, batch.token_row,
                                              batch.positions, blocks, scale=scale, impl=impl, topology=topo)
-    return ops.project(o, a["wo"], "attn.wo", impl=impl, topology=topo), LayerPages(k_pages, v_pages, index_k), blocks
+    return project(o, "wo"), LayerPages(k_pages, v_pages, index_k), blocks
 
 
 # ---- MLPs --------------------------------------------------------------------------------------------------
 
 def mlp(p: Params, cfg: M3Config, kind: str, h_TD: jax.Array, batch: Batch, kernels: KernelChoice,
-        layer: jax.Array | int | None = None) -> jax.Array:
-    """`layer`: the MoE's prepared experts (p["moe"]["experts"]) are the whole run's stack, read at this layer."""
+        layer: jax.Array | int) -> jax.Array:
+    """The dense MLP's weights and the MoE's prepared experts (p["moe"]["experts"]) are the run's whole stacks,
+    read at `layer`."""
     if kind == "dense":
         m = p["mlp"]
         return ops.dense_mlp(h_TD, m["w_gate"], m["w_up"], m["w_down"], alpha=cfg.swiglu_alpha,
-                             limit=cfg.swiglu_limit, impl=kernels.moe, topology=kernels.topology)
+                             limit=cfg.swiglu_limit, impl=kernels.moe, topology=kernels.topology, layer=layer)
     return ops.moe(h_TD, p["moe"], top_k=cfg.num_experts_per_tok, routed_scaling=cfg.routed_scaling_factor,
-                   alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit, impl=kernels.moe, layer=layer,
-                   num_valid=batch.query_start[-1], topology=kernels.topology)
+                   alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit, impl=kernels.moe,
+                   layer=layer if "experts" in p["moe"] else None, num_valid=batch.query_start[-1],
+                   topology=kernels.topology)
 
 
 # ---- the decoder -------------------------------------------------------------------------------------------
 
 def decoder_layer(lp: Params, cfg: M3Config, run: LayerRun, x_TD: jax.Array, batch: Batch,
                   rope: tuple[jax.Array, ...], pages: LayerPages, reuse_blocks: jax.Array | None,
-                  recompute: jax.Array | bool, kernels: KernelChoice, layer: jax.Array | int | None = None
+                  recompute: jax.Array | bool, kernels: KernelChoice, layer: jax.Array | int
                   ) -> tuple[jax.Array, LayerPages, jax.Array | None]:
-    """Pre-norm residual block: x + attention(norm(x)), then + MLP(norm(x))."""
+    """Pre-norm residual block: x + attention(norm(x)), then + MLP(norm(x)). `lp` is layer `layer`'s weights,
+    except the big matrices (`IN_PLACE`), which are the run's whole stacks."""
     o, pages, blocks = attention(lp, cfg, run.attn, rms_norm(x_TD, lp["input_norm"], cfg.rms_norm_eps), batch,
-                                 rope, pages, reuse_blocks, recompute, kernels)
+                                 rope, pages, reuse_blocks, recompute, kernels, layer)
     x_TD = x_TD + o
     x_TD = x_TD + mlp(lp, cfg, run.mlp, rms_norm(x_TD, lp["post_attn_norm"], cfg.rms_norm_eps), batch, kernels,
                       layer)
     return x_TD, pages, blocks
+
+
+# The weights each layer reads in place from its run's stack [layers, ...] (group -> names; see `run_layers`).
+IN_PLACE = {"attn": ("wq", "wk", "wv", "wo"), "index": ("wq", "wk"), "mlp": ("w_gate", "w_up", "w_down"),
+            "moe": ("experts",)}
 
 
 def run_layers(rp: Params, cfg: M3Config, run: LayerRun, x_TD: jax.Array, batch: Batch,
@@ -174,17 +188,15 @@ def run_layers(rp: Params, cfg: M3Config, run: LayerRun, x_TD: jax.Array, batch:
     # The aux slot each layer's input goes to (-1: none).
     slots = [capture.index(i) if i in capture else -1 for i in run.layers]
     capturing = any(s >= 0 for s in slots)
-    # Prepared MoE experts are not sliced by the scan: the kernels read the whole stack at the layer's slots (a
-    # sliced operand of a custom call is copied into a buffer of its own every iteration: a layer's experts).
-    experts = rp.get("moe", {}).get("experts")
-    if experts is not None:
-        rp = {**rp, "moe": {k: v for k, v in rp["moe"].items() if k != "experts"}}
+    # The big matrices are not sliced by the scan: the ops read the whole stack at the layer (a sliced operand of
+    # a custom call is copied into a buffer of its own every iteration, all of a layer's weights).
+    whole = {g: {n: rp[g][n] for n in names if n in rp.get(g, {})} for g, names in IN_PLACE.items()}
+    rp = {g: ({n: w for n, w in v.items() if n not in whole.get(g, {})} if g in whole else v) for g, v in rp.items()}
 
     def layer(carry: tuple, xs: tuple) -> tuple[tuple, jax.Array | None]:
         x, pages, reuse, aux = carry
         lp, j, recompute, slot = xs
-        if experts is not None:
-            lp = {**lp, "moe": {**lp["moe"], "experts": experts}}
+        lp = {g: {**v, **whole[g]} if g in whole else v for g, v in lp.items()}
         if capturing:
             if isinstance(slot, int):  # unrolled: static
                 aux = aux if slot < 0 else aux.at[slot].set(x)
@@ -192,8 +204,7 @@ def run_layers(rp: Params, cfg: M3Config, run: LayerRun, x_TD: jax.Array, batch:
                 aux = jax.lax.cond(slot >= 0, lambda a: jax.lax.dynamic_update_index_in_dim(a, x, slot, 0),
                                    lambda a: a, aux)
         x, pages, sel = decoder_layer(lp, cfg, run, x, batch.with_page_offset(j * num_pages, ps), rope, pages,
-                                      reuse if sparse else None, True if recompute_all else recompute, kernels,
-                                      j if experts is not None else None)
+                                      reuse if sparse else None, True if recompute_all else recompute, kernels, j)
         return (x, pages, sel if sparse else reuse, aux), sel
 
     if unroll:

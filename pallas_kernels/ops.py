@@ -32,41 +32,49 @@ PROJECTION_AXES = {
 }
 
 
-def project(x: jax.Array, w: jax.Array, name: str, *, impl: str, topology: Topology = SINGLE) -> jax.Array:
+def project(x: jax.Array, w: jax.Array, name: str, *, impl: str, topology: Topology = SINGLE,
+            layer: jax.Array | int | None = None) -> jax.Array:
     """x [T, *in] @ w [*in, *out] for the projection `name` (PROJECTION_AXES), w's leading x.ndim - 1 axes
     contracted. M = T <= 64 rows with a kernel impl: the small-M Pallas kernel (pallas_kernels/linear), per shard
-    under a topology; otherwise XLA's GEMM (partitioned by XLA), exactly the einsum the model ran before."""
+    under a topology; otherwise XLA's GEMM (partitioned by XLA), exactly the einsum the model ran before.
+    `layer`: w is a layer scan's whole stack [layers, *in, *out] and this is layer `layer` (the kernel reads it in
+    place: a scan-sliced kernel operand is copied every iteration)."""
     axes = PROJECTION_AXES[name]
     n_in = x.ndim - 1
-    local_w = sharded.local_shape(w.shape, axes, topology) if topology.sharded else w.shape
+    shape = w.shape if layer is None else w.shape[1:]
+    local_w = sharded.local_shape(shape, axes, topology) if topology.sharded else shape
     k = n = 1
     for d in local_w[:n_in]:
         k *= d
     for d in local_w[n_in:]:
         n *= d
     if not _linear.uses_kernel(x.shape[0], k, n, impl):
-        return jnp.tensordot(x, w, axes=n_in)
+        return jnp.tensordot(x, w if layer is None else w[layer], axes=n_in)
     if topology.sharded:
-        return sharded.project(x, w, axes, impl=impl, topology=topology)
-    return sharded.project_local(x, w, impl=impl)
+        return sharded.project(x, w, axes, impl=impl, topology=topology, layer=layer)
+    return sharded.project_local(x, w, impl=impl, layer=layer)
 
 
 def dense_mlp(h_TD: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, *, alpha: float, limit: float,
-              impl: str = "reference", topology: Topology = SINGLE) -> jax.Array:
+              impl: str = "reference", topology: Topology = SINGLE, layer: jax.Array | int | None = None) -> jax.Array:
     """The dense SwiGLU-OAI MLP (layers 0-2): through the small-M linear kernel where it applies to every one of
-    its GEMMs at the shard's shapes (M <= 64), else XLA's GEMMs (`moe.reference.dense_mlp`)."""
+    its GEMMs at the shard's shapes (M <= 64), else XLA's GEMMs (`moe.reference.dense_mlp`). `layer`: the weights
+    are a layer scan's stacks, read at that layer (as in `project`)."""
     T, D = h_TD.shape
-    F = w_gate.shape[1]
-    Fl = sharded.local_shape(w_gate.shape, ("embed", "mlp"), topology)[1] if topology.sharded else F
+    gate_shape = w_gate.shape[-2:]
+    Fl = sharded.local_shape(gate_shape, ("embed", "mlp"), topology)[1] if topology.sharded else gate_shape[1]
     if not (_linear.uses_kernel(T, D, Fl, impl) and _linear.uses_kernel(T, Fl, D, impl)):
+        if layer is not None:
+            w_gate, w_up, w_down = w_gate[layer], w_up[layer], w_down[layer]
         return _moe.dense_mlp(h_TD, w_gate, w_up, w_down, alpha=alpha, limit=limit)
     if topology.sharded:
-        return sharded.dense_mlp(h_TD, w_gate, w_up, w_down, alpha=alpha, limit=limit, impl=impl, topology=topology)
+        return sharded.dense_mlp(h_TD, w_gate, w_up, w_down, alpha=alpha, limit=limit, impl=impl, topology=topology,
+                                 layer=layer)
     from pallas_kernels.moe.reference import swiglu_oai
 
-    act = swiglu_oai(_linear.linear(h_TD, w_gate, impl=impl), _linear.linear(h_TD, w_up, impl=impl), alpha=alpha,
-                     limit=limit)
-    return _linear.linear(act, w_down, impl=impl)
+    act = swiglu_oai(_linear.linear(h_TD, w_gate, impl=impl, layer=layer),
+                     _linear.linear(h_TD, w_up, impl=impl, layer=layer), alpha=alpha, limit=limit)
+    return _linear.linear(act, w_down, impl=impl, layer=layer)
 
 
 def paged_dense_attention(q_THD: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table_RN: jax.Array,

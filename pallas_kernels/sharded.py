@@ -162,31 +162,43 @@ def write_kv_pages(pages: jax.Array, new_T: jax.Array, slot_T: jax.Array, *, imp
 # ---- dense linears (the small-M kernel) ---------------------------------------------------------------------
 
 
-def project(x: jax.Array, w: jax.Array, w_axes: tuple[str, ...], *, impl: str, topology: Topology) -> jax.Array:
+def project(x: jax.Array, w: jax.Array, w_axes: tuple[str, ...], *, impl: str, topology: Topology,
+            layer: jax.Array | int | None = None) -> jax.Array:
     """x [T, *in] @ w [*in, *out] (w's first x.ndim - 1 axes contracted) through the small-M linear kernel on each
     device's shard of w: column-parallel when an output axis is split (x whole, the output split like it),
     row-parallel when a contracted one is (x split like it, partial outputs summed), whole when neither is.
     Only called where `linear.dispatch.uses_kernel` holds for the shard's shapes; XLA's GEMMs partition
-    themselves."""
+    themselves. `layer`: w is a scan's stack [layers, *in, *out], read at that layer (its layer axis unsplit)."""
     n_in = x.ndim - 1
-    w_spec = tuple(topology.spec_for(w.shape, w_axes)) + (None,) * w.ndim
-    x_spec, out_spec = P(None, *w_spec[:n_in]), P(None, *w_spec[n_in:w.ndim])
+    stacked = layer is not None
+    shape = w.shape[1:] if stacked else w.shape
+    w_spec = tuple(topology.spec_for(shape, w_axes)) + (None,) * len(shape)
+    x_spec, out_spec = P(None, *w_spec[:n_in]), P(None, *w_spec[n_in:len(shape)])
     summed = any(a is not None for a in w_spec[:n_in])
 
-    def local(xl, wl):
-        y = project_local(xl, wl, impl=impl)
+    def local(xl, wl, ll):
+        y = project_local(xl, wl, impl=impl, layer=ll if stacked else None)
         return jax.lax.psum(y, topology.axis) if summed else y
 
-    return _smap(topology, local, (x_spec, P(*w_spec[:w.ndim])), out_spec)(x, w)
+    wl_spec = P(None, *w_spec[:len(shape)]) if stacked else P(*w_spec[:len(shape)])
+    return _smap(topology, local, (x_spec, wl_spec, P()), out_spec)(x, w, _layer_arg(layer))
 
 
-def project_local(x: jax.Array, w: jax.Array, *, impl: str) -> jax.Array:
+def project_local(x: jax.Array, w: jax.Array, *, impl: str, layer: jax.Array | int | None = None) -> jax.Array:
     n_in = x.ndim - 1
+    stacked = layer is not None
+    shape = w.shape[1:] if stacked else w.shape
     k = 1
-    for d in w.shape[:n_in]:
+    for d in shape[:n_in]:
         k *= d
-    y = lin.linear(x.reshape(x.shape[0], k), w.reshape(k, -1), impl=impl)
-    return y.reshape(x.shape[0], *w.shape[n_in:])
+    w2 = w.reshape(w.shape[0], k, -1) if stacked else w.reshape(k, -1)
+    y = lin.linear(x.reshape(x.shape[0], k), w2, impl=impl, layer=layer)
+    return y.reshape(x.shape[0], *shape[n_in:])
+
+
+def _layer_arg(layer: jax.Array | int | None) -> jax.Array:
+    """A stacked weight's layer as a replicated shard_map operand (0, unused, when the weight is not stacked)."""
+    return jnp.asarray(0 if layer is None else layer, jnp.int32)
 
 
 def local_shape(shape: tuple[int, ...], axes: tuple[str, ...], topology: Topology) -> tuple[int, ...]:
@@ -196,19 +208,24 @@ def local_shape(shape: tuple[int, ...], axes: tuple[str, ...], topology: Topolog
 
 
 def dense_mlp(h_TD: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, *, alpha: float, limit: float,
-              impl: str, topology: Topology) -> jax.Array:
+              impl: str, topology: Topology, layer: jax.Array | int | None = None) -> jax.Array:
     """The dense SwiGLU-OAI MLP through the small-M kernel on each device's share of F (gate / up columns, down
-    rows), the partial outputs summed."""
-    cols = topology.spec_for(w_gate.shape, ("embed", "mlp"))
-    rows = topology.spec_for(w_down.shape, ("mlp", "embed"))
-    summed = rows != P()
+    rows), the partial outputs summed. `layer`: the weights are a scan's stacks, read at that layer."""
+    stacked = layer is not None
+    lead = (None,) if stacked else ()
+    cols = P(*lead, *topology.spec_for(w_gate.shape[-2:], ("embed", "mlp")))
+    rows_spec = topology.spec_for(w_down.shape[-2:], ("mlp", "embed"))
+    summed = rows_spec != P()
+    rows = P(*lead, *rows_spec)
 
-    def local(h, g, u, d):
-        act = swiglu_oai(lin.linear(h, g, impl=impl), lin.linear(h, u, impl=impl), alpha=alpha, limit=limit)
-        y = lin.linear(act, d, impl=impl)
+    def local(h, g, u, d, ll):
+        ll = ll if stacked else None
+        act = swiglu_oai(lin.linear(h, g, impl=impl, layer=ll), lin.linear(h, u, impl=impl, layer=ll), alpha=alpha,
+                         limit=limit)
+        y = lin.linear(act, d, impl=impl, layer=ll)
         return jax.lax.psum(y, topology.axis) if summed else y
 
-    return _smap(topology, local, (P(), cols, cols, rows), P())(h_TD, w_gate, w_up, w_down)
+    return _smap(topology, local, (P(), cols, cols, rows, P()), P())(h_TD, w_gate, w_up, w_down, _layer_arg(layer))
 
 
 # ---- MoE ---------------------------------------------------------------------------------------------------

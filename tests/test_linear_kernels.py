@@ -86,6 +86,53 @@ def test_project_sharded_column_and_row_parallel():
     np.testing.assert_allclose(got, ops.dense_mlp(x, g, u, d, alpha=1.702, limit=7.0), rtol=1e-5, atol=1e-4)
 
 
+def test_stacked_weights_read_in_place():
+    """A layer scan hands the ops its whole weight stack and the layer (model.IN_PLACE): the kernel reads that
+    layer's rows, equal to the sliced weight, with the layer traced (one executable for every layer), on one
+    device and per shard under TP4."""
+    x, o = _normal(1, 6, 64), _normal(4, 6, 8, 16)
+    wq, wo = _normal(2, 3, 64, 8, 16), _normal(3, 3, 8, 16, 64)
+    g, u, d = _normal(5, 3, 64, 128), _normal(6, 3, 64, 128), _normal(7, 3, 128, 64)
+    topos = [None]
+    if len(jax.devices()) >= 4:
+        rules = make_rules(4)
+        x, o, wq, wo, g, u, d = jax.device_put((x, o, wq, wo, g, u, d), rules.replicated())
+        topos.append(rules.topology)
+    for topo in topos:
+        kw = {} if topo is None else {"topology": topo}
+        q_fn = jax.jit(lambda a, w, j, kw=kw: ops.project(a, w, "attn.wq", impl="interpret", layer=j, **kw))
+        o_fn = jax.jit(lambda a, w, j, kw=kw: ops.project(a, w, "attn.wo", impl="interpret", layer=j, **kw))
+        mlp_fn = jax.jit(lambda *a, kw=kw: ops.dense_mlp(*a[:4], alpha=1.702, limit=7.0, impl="interpret",
+                                                         layer=a[4], **kw))
+        for j in range(3):
+            j_ = jnp.int32(j)
+            np.testing.assert_allclose(q_fn(x, wq, j_), jnp.einsum("td,dhk->thk", x, wq[j]), rtol=1e-5, atol=1e-4)
+            np.testing.assert_allclose(o_fn(o, wo, j_), jnp.einsum("thk,hkd->td", o, wo[j]), rtol=1e-5, atol=1e-4)
+            np.testing.assert_allclose(mlp_fn(x, g, u, d, j_), ops.dense_mlp(x, g[j], u[j], d[j], alpha=1.702,
+                                                                            limit=7.0), rtol=1e-5, atol=1e-4)
+        assert "pallas_call" in str(jax.make_jaxpr(q_fn)(x, wq, jnp.int32(0)))
+    # XLA's GEMM (M > 64) takes the layer's slice.
+    big = _normal(8, MAX_M + 1, 64)
+    np.testing.assert_allclose(ops.project(big, wq, "attn.wq", impl="interpret", layer=2),
+                               jnp.einsum("td,dhk->thk", big, wq[2]), rtol=1e-5, atol=1e-4)
+
+
+def test_scanned_layers_do_not_copy_the_projection_weights():
+    """Lowered for the GPU, a scan over stacked projection weights passes the stack to the kernel as it is: no
+    copy of a layer's weight (a dynamic-slice feeding the custom call) in the compiled loop."""
+    w = jnp.zeros((4, 1024, 512), jnp.bfloat16)
+    x = jnp.zeros((1, 1024), jnp.bfloat16)
+
+    def scanned(x, w):
+        def body(h, j):
+            return h, ops.project(h, w, "index.wk", impl="pallas", layer=j)
+        return jax.lax.scan(body, x, jnp.arange(4, dtype=jnp.int32))[1]
+
+    hlo = lower_for_gpu(scanned, x, w)
+    assert count_triton_kernels(hlo) >= 1
+    assert not [ln for ln in hlo.splitlines() if "dynamic_slice" in ln and "bf16" in ln]  # (the scan's own i32 slice)
+
+
 @pytest.mark.parametrize("tp", [1, 4, 8])
 def test_m3_shard_projections_lower_for_the_gpu(tp):
     """Each of M3's projections at one device's shard of TP1 / TP4 / TP8, at decode sizes, lowers to the Triton

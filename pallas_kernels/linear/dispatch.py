@@ -4,7 +4,8 @@
 attention family's; the dense MLPs: the MoE / MLP family's): "pallas" / "interpret" run the split-K kernel where
 `tiles.pick_tiles` gives tiles for the shard's shapes (M <= 64 rows), "reference" and every other shape run
 `reference.linear` (XLA). `uses_kernel` tells callers, statically, which one a call will take, so that a sharded
-caller wraps only the kernel in a shard_map and leaves XLA's GEMMs to XLA's partitioner.
+caller wraps only the kernel in a shard_map and leaves XLA's GEMMs to XLA's partitioner. `layer`: w is a scan's
+whole stack [layers, K, N] (see kernel.py); the kernel reads the layer in place, XLA's GEMM its slice.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ def uses_kernel(m: int, k: int, n: int, impl: str) -> bool:
     return tiles_for(m, k, n, impl) is not None
 
 
-def linear(x_MK: jax.Array, w_KN: jax.Array, *, impl: str) -> jax.Array:
-    tiles = tiles_for(x_MK.shape[0], *w_KN.shape, impl)
+def linear(x_MK: jax.Array, w_KN: jax.Array, *, impl: str, layer: jax.Array | int | None = None) -> jax.Array:
+    tiles = tiles_for(x_MK.shape[0], *w_KN.shape[-2:], impl)
     if tiles is None:
-        return reference.linear(x_MK, w_KN)
-    return kernel.linear(x_MK, w_KN, tiles=tiles, interpret=impl == "interpret")
+        return reference.linear(x_MK, w_KN if layer is None else w_KN[layer])
+    return kernel.linear(x_MK, w_KN, tiles=tiles, interpret=impl == "interpret", layer=layer)

@@ -5,6 +5,10 @@ Grid (N tiles, K splits). Program (j, s) accumulates x[:, K range s] @ w[K range
 grid, x once per program: it is tiny). Unsplit, it writes its tile in the output dtype; split, its fp32 partial
 [split, bm, N], summed by XLA afterwards in split order (deterministic; at M <= 64 the partials are a few percent of
 the weight's bytes and are read back from L2).
+
+`layer`: w is a scan's whole stack [layers, K, N] and the kernel reads layer `layer`'s rows of it (a free reshape to
+[layers * K, N] and a row offset), because a scan-sliced operand of a custom call is copied into a buffer of its own
+every iteration: on the H200 that copy of the m3-slice's projection weights took 0.34 ms of a 2.7 ms decode step.
 """
 
 from __future__ import annotations
@@ -20,14 +24,15 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.linear.tiles import LinearTiles
 
 
-def _linear_kernel(x_ref, w_ref, o_ref, *, bn: int, bk: int, per_split: int, split: int):
+def _linear_kernel(row0_ref, x_ref, w_ref, o_ref, *, bn: int, bk: int, per_split: int, split: int):
     j, s = pl.program_id(0), pl.program_id(1)
     n0 = pl.multiple_of(j * bn, bn)
+    row0 = row0_ref[0]  # the layer's first row of a stacked weight (0 when unstacked)
 
     def step(i, acc):
         k0 = pl.multiple_of((s * per_split + i) * bk, bk)
-        return acc + jnp.dot(x_ref[:, pl.ds(k0, bk)], w_ref[pl.ds(k0, bk), pl.ds(n0, bn)],
-                             preferred_element_type=jnp.float32)
+        w = w_ref[pl.ds(pl.multiple_of(row0 + k0, bk), bk), pl.ds(n0, bn)]
+        return acc + jnp.dot(x_ref[:, pl.ds(k0, bk)], w, preferred_element_type=jnp.float32)
 
     acc = lax.fori_loop(0, per_split, step, jnp.zeros((x_ref.shape[0], bn), jnp.float32))
     if split == 1:
@@ -36,12 +41,16 @@ def _linear_kernel(x_ref, w_ref, o_ref, *, bn: int, bk: int, per_split: int, spl
         o_ref[s, :, pl.ds(n0, bn)] = acc
 
 
-def linear(x_MK: jax.Array, w_KN: jax.Array, *, tiles: LinearTiles, interpret: bool = False) -> jax.Array:
-    """x @ w for M <= tiles.bm rows, in x's dtype (fp32 accumulation)."""
+def linear(x_MK: jax.Array, w_KN: jax.Array, *, tiles: LinearTiles, interpret: bool = False,
+           layer: jax.Array | int | None = None) -> jax.Array:
+    """x @ w for M <= tiles.bm rows, in x's dtype (fp32 accumulation). With `layer`, w is [layers, K, N] and
+    x @ w[layer] is computed without slicing w."""
     M, K = x_MK.shape
-    K2, N = w_KN.shape
-    if K != K2 or tiles.bm < M or K % (tiles.bk * tiles.split) or N % tiles.bn:
-        raise ValueError(f"linear kernel: x {x_MK.shape} @ w {w_KN.shape} does not fit tiles {tiles}")
+    K2, N = w_KN.shape[-2:]
+    if K != K2 or tiles.bm < M or K % (tiles.bk * tiles.split) or N % tiles.bn or w_KN.ndim != 2 + (layer is not None):
+        raise ValueError(f"linear kernel: x {x_MK.shape} @ w {w_KN.shape} (layer {layer}) does not fit tiles {tiles}")
+    row0 = jnp.zeros((1,), jnp.int32) if layer is None else jnp.reshape(jnp.asarray(layer, jnp.int32) * K, (1,))
+    w_KN = w_KN.reshape(-1, N)
     x = jnp.pad(x_MK, ((0, tiles.bm - M), (0, 0))).astype(w_KN.dtype)
     shape = (tiles.bm, N) if tiles.split == 1 else (tiles.split, tiles.bm, N)
     out = pl.pallas_call(
@@ -52,7 +61,7 @@ def linear(x_MK: jax.Array, w_KN: jax.Array, *, tiles: LinearTiles, interpret: b
         compiler_params=plgpu.CompilerParams(num_warps=tiles.warps, num_stages=tiles.stages),
         interpret=interpret,
         name=f"linear_bm{tiles.bm}_bn{tiles.bn}_split{tiles.split}",
-    )(x, w_KN)
+    )(row0, x, w_KN)
     if tiles.split > 1:
         out = jnp.sum(out, axis=0)
     return out[:M].astype(x_MK.dtype)

@@ -94,10 +94,10 @@ class Shard:
         return self.pool_heads
 
 
-def make_shard(name: str, cfg: Any, fmt: str) -> Shard:
+def make_shard(name: str, cfg: Any, fmt: str, tp_ep: tuple[int, bool] | None = None) -> Shard:
     from m3jax.sharding import make_abstract_rules
 
-    tp, ep = DEPLOYMENTS[name]
+    tp, ep = tp_ep or DEPLOYMENTS[name]
     return Shard(name, cfg, tp, ep, fmt, make_abstract_rules(tp, ep).topology)
 
 
@@ -141,7 +141,7 @@ def local_params(shard: Shard, layer: int, count: int, key: jax.Array) -> dict:
 
 def shard_layers(shard: Shard, attn_kind: str, mlp_kind: str, impl: str):
     """(params, pages, batch) -> (x, pages): a scan over the stacked layers of device 0's shard."""
-    from m3jax.model import apply_rope, rms_norm, rope_tables
+    from m3jax.model import IN_PLACE, apply_rope, rms_norm, rope_tables
     from pallas_kernels import ops
     from pallas_kernels.moe import dispatch as moe_dispatch
     from pallas_kernels.sharded import moe_ep_device
@@ -156,20 +156,22 @@ def shard_layers(shard: Shard, attn_kind: str, mlp_kind: str, impl: str):
         pages = k_pool.shape[1]
         ps = k_pool.shape[2]
         rope = rope_tables(batch.positions, cfg.rotary_dim, cfg.rope_theta, x.dtype)
-        experts = params.get("moe", {}).get("experts")
-        rp = params if experts is None else {**params, "moe": {k: v for k, v in params["moe"].items()
-                                                               if k != "experts"}}
+        # As the model's scan: the big matrices are read in place from the stack at the layer, not sliced.
+        whole = {g: {n: params[g][n] for n in names if n in params.get(g, {})} for g, names in IN_PLACE.items()}
+        rp = {g: ({n: w for n, w in v.items() if n not in whole.get(g, {})} if g in whole else v)
+              for g, v in params.items()}
         flat = [None if a is None else a.reshape(-1, *a.shape[2:]) for a in (k_pool, v_pool, i_pool)]
 
         def layer(carry, xs):
             x, kp, vp, ip = carry
             lp, j = xs
+            lp = {g: {**v, **whole[g]} if g in whole else v for g, v in lp.items()}
             b = batch.with_page_offset(j * pages, ps)
             a = lp["attn"]
             h = rms_norm(x, lp["input_norm"], eps)
-            q = rms_norm(ops.project(h, a["wq"], "attn.wq", impl=impl), a["q_norm"], eps)
-            k = rms_norm(ops.project(h, a["wk"], "attn.wk", impl=impl), a["k_norm"], eps)
-            v = ops.project(h, a["wv"], "attn.wv", impl=impl)
+            q = rms_norm(ops.project(h, a["wq"], "attn.wq", impl=impl, layer=j), a["q_norm"], eps)
+            k = rms_norm(ops.project(h, a["wk"], "attn.wk", impl=impl, layer=j), a["k_norm"], eps)
+            v = ops.project(h, a["wv"], "attn.wv", impl=impl, layer=j)
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
             k, v = k[:, :K_l], v[:, :K_l]  # replicated KV heads (TP8): the device's own
             kp = ops.write_kv_pages(kp, k, b.slot_mapping, impl=impl)
@@ -179,8 +181,8 @@ def shard_layers(shard: Shard, attn_kind: str, mlp_kind: str, impl: str):
                 o = ops.paged_dense_attention(q, kp, vp, b.page_table, b.token_row, b.positions, scale, impl=impl)
             else:
                 ix = lp["index"]
-                iq = rms_norm(ops.project(h, ix["wq"], "index.wq", impl=impl), ix["q_norm"], eps)
-                ik = rms_norm(ops.project(h, ix["wk"], "index.wk", impl=impl)[:, None, :], ix["k_norm"], eps)
+                iq = rms_norm(ops.project(h, ix["wq"], "index.wq", impl=impl, layer=j), ix["q_norm"], eps)
+                ik = rms_norm(ops.project(h, ix["wk"], "index.wk", impl=impl, layer=j)[:, None, :], ix["k_norm"], eps)
                 iq, ik = apply_rope(iq, *rope)[:, :G_l], apply_rope(ik, *rope)
                 ip = ops.write_kv_pages(ip, ik[:, 0], b.slot_mapping, impl=impl)
                 blocks = ops.paged_select_blocks(iq, ip, b.page_table, b.token_row, b.positions,
@@ -188,19 +190,19 @@ def shard_layers(shard: Shard, attn_kind: str, mlp_kind: str, impl: str):
                                                  init_blocks=cfg.index_init_blocks, impl=impl)
                 o = ops.paged_block_sparse_attention(q, kp, vp, b.page_table, b.token_row, b.positions, blocks,
                                                      scale=scale, impl=impl)
-            x = x + ops.project(o, a["wo"], "attn.wo", impl=impl)
+            x = x + ops.project(o, a["wo"], "attn.wo", impl=impl, layer=j)
             h = rms_norm(x, lp["post_attn_norm"], eps)
             kw = {"top_k": cfg.num_experts_per_tok, "routed_scaling": cfg.routed_scaling_factor,
                   "alpha": cfg.swiglu_alpha, "limit": cfg.swiglu_limit, "impl": impl}
             if mlp_kind == "dense":
                 m = lp["mlp"]
                 y = ops.dense_mlp(h, m["w_gate"], m["w_up"], m["w_down"], alpha=cfg.swiglu_alpha,
-                                  limit=cfg.swiglu_limit, impl=impl)
+                                  limit=cfg.swiglu_limit, impl=impl, layer=j)
             elif shard.ep:
-                y = moe_ep_device(h, {**lp["moe"], "experts": experts}, device=0, num_devices=shard.tp, layer=j,
+                y = moe_ep_device(h, lp["moe"], device=0, num_devices=shard.tp, layer=j,
                                   num_valid=jnp.int32(x.shape[0]), shared_split=False, **kw)
             else:
-                y = moe_dispatch.moe(h, {**lp["moe"], "experts": experts}, layer=j, **kw)
+                y = moe_dispatch.moe(h, lp["moe"], layer=j, **kw)
             return (x + y, kp, vp, ip), None
 
         (x, kp, vp, ip), _ = jax.lax.scan(layer, (x, *flat), (rp, jnp.arange(count, dtype=jnp.int32)))
@@ -297,7 +299,10 @@ def time_lm_head(shard: Shard, rows: int, reps: int) -> float:
 
 
 def linear_records(shard: Shard, ms: list[int], impl: str, reps: int) -> list[dict]:
-    """Each projection at the shard's shape: the small-M Pallas kernel against XLA's GEMM."""
+    """Each projection at the shard's shape: the small-M Pallas kernel against XLA's GEMM, each timed as it runs
+    in the step: `IN_GRAPH_COPIES` calls on distinct weights in one jitted program (so the weights stream from
+    HBM, not L2, and no host dispatch per call counts), and kernel-busy time from the GPU's trace beside it."""
+    from benchmarks.timing import IN_GRAPH_COPIES, device_profile, in_graph_time
     from pallas_kernels.linear import kernel, reference
     from pallas_kernels.linear.tiles import pick_tiles
     from pallas_kernels.sharded import local_shape
@@ -313,21 +318,31 @@ def linear_records(shard: Shard, ms: list[int], impl: str, reps: int) -> list[di
         "mlp.w_gate": (D, local_shape((cfg.dense_intermediate_size,), ("mlp",), t)[0]),
         "mlp.w_down": (local_shape((cfg.dense_intermediate_size,), ("mlp",), t)[0], D),
     }
+    smoke = impl == "interpret"
+    copies = 2 if smoke else IN_GRAPH_COPIES
+    samples = 2 if smoke else max(5, reps)
     out = []
-    xla = jax.jit(reference.linear)
     for name, (k, n) in shapes.items():
-        w = jax.random.normal(jax.random.key(k + n), (k, n), jnp.bfloat16)
+        ws = [jax.random.normal(jax.random.key(k + n + i), (k, n), jnp.bfloat16) for i in range(copies)]
+        floor_s = 2 * k * n / HBM_BYTES_PER_S
         for m in ms:
             x = jax.random.normal(jax.random.key(m), (m, k), jnp.bfloat16)
-            xla_s = _median_time(lambda x=x, w=w: jax.block_until_ready(xla(x, w)), reps)
+            args = [(x, w) for w in ws]
+            impls = {"xla": reference.linear}
             tiles = pick_tiles(m, k, n)
-            rec = {"op": "linear", "deployment": shard.name, "tp": shard.tp, "ep": shard.ep, "weight": name,
-                   "m": m, "k": k, "n": n, "xla_s": xla_s, "xla_hbm_fraction": 2 * k * n / xla_s / HBM_BYTES_PER_S}
             if tiles is not None:
-                fn = jax.jit(lambda x, w, tiles=tiles: kernel.linear(x, w, tiles=tiles, interpret=impl == "interpret"))
-                pallas_s = _median_time(lambda x=x, w=w, fn=fn: jax.block_until_ready(fn(x, w)), reps)
-                rec.update(pallas_s=pallas_s, pallas_hbm_fraction=2 * k * n / pallas_s / HBM_BYTES_PER_S,
-                           tiles=dataclasses.asdict(tiles), speedup=xla_s / pallas_s)
+                impls["pallas"] = (lambda x, w, tiles=tiles:
+                                   kernel.linear(x, w, tiles=tiles, interpret=impl == "interpret"))
+            rec = {"op": "linear", "deployment": shard.name, "tp": shard.tp, "ep": shard.ep, "weight": name,
+                   "m": m, "k": k, "n": n, "floor_s": floor_s, "copies": copies}
+            for which, fn in impls.items():
+                s_ = in_graph_time(fn, args, samples=samples)
+                prof = device_profile(jax.jit(fn), args, calls=copies)
+                busy = prof.get("device_busy_s")
+                rec.update({f"{which}_s": s_, f"{which}_hbm_fraction": floor_s / s_, f"{which}_busy_s": busy,
+                            f"{which}_busy_hbm_fraction": None if not busy else floor_s / busy})
+            if tiles is not None:
+                rec.update(tiles=dataclasses.asdict(tiles), speedup=rec["xla_s"] / rec["pallas_s"])
             out.append(rec)
     return out
 
@@ -430,6 +445,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4, help="distinct layers of each kind per timed scan")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--linear-m", type=int, nargs="+", default=[1, 8, 32, 64])
+    ap.add_argument("--linear-tp", type=int, nargs="*", default=[1, 4, 8],
+                    help="the projections' shard shapes timed as 'linear' records (1: the whole weights)")
     ap.add_argument("--nvlink-gbps", type=float, default=360.0)
     ap.add_argument("--allreduce-latency-us", type=float, default=10.0)
     ap.add_argument("--out", default="benchmarks/results/projection-h200.json")
@@ -508,9 +525,10 @@ def main() -> None:
             for isl, osl in workloads:
                 for c in args.concurrency:
                     emit(project(shard, layer_s, lm_head_s, coll, isl, osl, c, assumptions))
-            if fmt == args.formats[0]:
-                for rec in linear_records(shard, args.linear_m, impl, args.reps):
-                    emit(rec)
+    for tp in args.linear_tp:
+        shard = make_shard(f"tp{tp}", cfg, "bf16", (tp, False))
+        for rec in linear_records(shard, args.linear_m, impl, args.reps):
+            emit(rec)
     print(f"{len(records)} records -> {out}", flush=True)
 
 

@@ -227,15 +227,18 @@ class ForwardOutput:
     selections: dict[int, jax.Array]  # sparse layer -> logical blocks [T, K, N] (-1 padded)
     # [len(capture), T, D]: the residual stream at the input of each captured layer (None without capture).
     aux_hidden: jax.Array | None = None
+    # [T, D]: every token's final-normed hidden state, what the lm_head reads (with `all_hidden`; prompt logprobs).
+    hidden: jax.Array | None = None
 
 
 def forward(params: Params, cfg: M3Config, kv: KVPages, batch: Batch, kernels: KernelChoice,
-            unroll: bool = False, capture: tuple[int, ...] = ()) -> ForwardOutput:
+            unroll: bool = False, capture: tuple[int, ...] = (), all_hidden: bool = False) -> ForwardOutput:
     """One step of M3 over a flat ragged batch: every token's K/V/index-K is written to its slot, every token
     attends to its own request's pages up to its position, and logits come only for `batch.logit_rows`.
     `kernels` must be resolved (no "auto"): it is static, part of the compiled step's identity. `unroll`: layers
     in a Python loop instead of scans (same function; see `run_layers`). `capture`: layer ids whose input
-    residual stream (every token's) comes back as `aux_hidden`, for an EAGLE-3 draft."""
+    residual stream (every token's) comes back as `aux_hidden`, for an EAGLE-3 draft. `all_hidden`: every token's
+    final-normed hidden state comes back as `hidden` (the norm is per token, so the logit rows are rows of it)."""
     if not kernels.resolved:
         raise ValueError(f"{kernels} is not resolved: call KernelChoice.resolve() first")
     x = params["embed"][batch.token_ids]  # [T, D]; no embedding scale in M3
@@ -256,6 +259,8 @@ def forward(params: Params, cfg: M3Config, kv: KVPages, batch: Batch, kernels: K
         if sel is not None:
             selections.update({i: sel[j] for j, i in enumerate(run.layers)})
 
-    x = rms_norm(x[batch.logit_rows], params["final_norm"], cfg.rms_norm_eps)
+    hidden = rms_norm(x, params["final_norm"], cfg.rms_norm_eps) if all_hidden else None
+    x = hidden[batch.logit_rows] if all_hidden else rms_norm(x[batch.logit_rows], params["final_norm"],
+                                                             cfg.rms_norm_eps)
     logits = jnp.einsum("td,dv->tv", x, params["lm_head"], preferred_element_type=jnp.float32)
-    return ForwardOutput(logits, new_kv, selections, aux)
+    return ForwardOutput(logits, new_kv, selections, aux, hidden)

@@ -79,6 +79,9 @@ class Settings:
         '"num_speculative_tokens": K}; without "model", the EAGLE-3 draft shipped for the embedded tiny model',
         ENGINE, metavar="JSON")
     warmup: bool = knob(True, "compile every step shape at start-up, so serving never compiles", ENGINE)
+    enable_prompt_logprobs: bool = knob(False, "serve requests that ask for prompt_logprobs (and echo with "
+                                        "logprobs): one more step executable per token bucket, compiled at "
+                                        "start-up; without it such requests are refused", ENGINE)
     progress: bool | None = knob(None, "progress bars for loading and compiling (default: when stderr is a "
                                  "terminal and M3JAX_NO_PROGRESS is not 1)", ENGINE)
     # ---- kernels ----

@@ -119,6 +119,8 @@ class _Client:
     sent_tokens: int = 0
     sent_chars: int = 0
     logprobs: list[Logprob] | None = None
+    # SamplingParams.prompt_logprobs: one entry per prompt token (None for the first), filled as chunks complete.
+    prompt_logprobs: list[Logprob | None] | None = None
 
 
 class EngineCore:
@@ -143,7 +145,7 @@ class EngineCore:
                             model.page_size, self.num_speculative_tokens),
             PageAllocator(num_pages, settings.enable_prefix_caching))
         self.runner = ModelRunner(model, num_pages, settings.max_num_seqs, settings.max_num_batched_tokens,
-                                  self.max_model_len, cache_dir, draft)
+                                  self.max_model_len, cache_dir, draft, settings.enable_prompt_logprobs)
         # A speculative step needs the previous step's tokens on the host (its rows carry them and the drafts that
         # follow them), so steps complete before the next one is scheduled.
         self.async_scheduling = settings.async_scheduling and draft is None
@@ -212,6 +214,12 @@ class EngineCore:
                              f"{self.max_model_len} - {len(ids)})")
         detok = (IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
                  if self.tokenizer is not None else None)
+        if params.prompt_logprobs is not None:
+            if not self.settings.enable_prompt_logprobs:
+                raise ValueError("prompt_logprobs: this server computes prompt logprobs only when started with "
+                                 "--enable-prompt-logprobs")
+            if self.num_speculative_tokens:
+                raise ValueError("prompt_logprobs: not available with speculative decoding on this server")
         if params.logit_bias and max(params.logit_bias) >= self.model.cfg.vocab_size:
             raise ValueError(f"logit_bias: token id {max(params.logit_bias)} is outside the vocabulary "
                              f"[0, {self.model.cfg.vocab_size})")
@@ -227,7 +235,8 @@ class EngineCore:
             grammar=self.compile_grammar(params),
             # The penalty history is recorded on the device from the tokens a step feeds: a request that skipped
             # its cached prefix would miss them.
-            use_prefix_cache=not uses_penalty(params),
+            # Prompt logprobs need every prompt token computed.
+            use_prefix_cache=not uses_penalty(params) and params.prompt_logprobs is None,
             # Penalties and grammars depend on every token before: drafts would need both to follow each draft
             # position, so these requests decode one token a step.
             use_spec=not uses_penalty(params) and params.structured_outputs is None,
@@ -412,6 +421,8 @@ class EngineCore:
         except StepFailed as e:
             self._fail_all(e, outputs)
             return
+        if result.prompt_logprobs:
+            self._fill_prompt_logprobs(result.prompt_logprobs)
         now = time.monotonic()
         for req, i in self.scheduler.update(result):
             client = self._clients.get(req.seq)
@@ -436,6 +447,20 @@ class EngineCore:
                                                        strict=True)}
             token = result.token_ids[at]
             client.logprobs.append(Logprob(int(token), float(result.logprobs[at]), top))
+
+    def _fill_prompt_logprobs(self, computed: dict[int, tuple]) -> None:
+        """Each request's prompt logprobs for the positions a step computed (a recompute after preemption writes
+        the same values again)."""
+        for seq, (start, lps, ranks, top_ids, top_lps) in computed.items():
+            client = self._clients.get(seq)
+            if client is None or client.prompt_logprobs is None:
+                continue
+            n = client.req.sampling.prompt_logprobs
+            prompt = client.req.prompt_ids
+            for j in range(len(lps)):
+                p = start + j + 1  # the prompt token this is the logprob of
+                top = {int(t): float(lp) for t, lp in zip(top_ids[j][:n], top_lps[j][:n], strict=True)}
+                client.prompt_logprobs[p] = Logprob(prompt[p], float(lps[j]), top, int(ranks[j]))
 
     def _count_spec(self, req: Request, result: ModelRunnerOutput, i: int) -> None:
         """Speculation counters (vLLM's names): drafts verified, draft tokens, accepted ones, and accepted by
@@ -474,6 +499,8 @@ class EngineCore:
                     continue
                 if client.req.sampling.logprobs is not None:
                     client.logprobs = []
+                if client.req.sampling.prompt_logprobs is not None:
+                    client.prompt_logprobs = [None] * len(client.req.prompt_ids)
                 self._clients[client.req.seq] = client
                 self._by_id[client.req.request_id] = client.req.seq
                 if client.req.parent_id is not None:
@@ -525,6 +552,8 @@ class EngineCore:
             error=error,
             rejected=rejected,
             metrics=metrics,
+            # Once the prompt is computed (its first token's output on); the list is only rewritten in place.
+            prompt_logprobs=client.prompt_logprobs if req.first_token_time is not None else None,
         )
         outputs.append(out)
         if client.sink is not None:

@@ -58,7 +58,8 @@ _FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "ab
 # proto3 `optional` fields of SamplingParams map one to one onto serving.outputs.SamplingParams; unset ones
 # keep that class's defaults.
 _OPTIONAL_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "logprobs",
-                    "repetition_penalty", "presence_penalty", "frequency_penalty", "skip_special_tokens", "n")
+                    "repetition_penalty", "presence_penalty", "frequency_penalty", "skip_special_tokens", "n",
+                    "prompt_logprobs")
 
 
 def structured_outputs(msg: pb.StructuredOutputs) -> StructuredOutputsParams | None:
@@ -240,6 +241,7 @@ class _Answer:
         self.stream = stream
         self.parse = chat and stream.plan.parses
         self.first = True
+        self.sent_prompt_logprobs = False
         self.sent_logprobs: dict[int, int] = {}
         self.parsers: dict[int, MessageParser] = {}
         self.completion_tokens = 0
@@ -267,6 +269,12 @@ class _Answer:
                                                            arguments=fn.get("arguments", "")))
         else:
             msg.text = out.delta_text
+        if out.prompt_logprobs is not None and not self.sent_prompt_logprobs:
+            self.sent_prompt_logprobs = True
+            for lp in out.prompt_logprobs[1:]:
+                msg.prompt_logprobs.append(pb.TokenLogprob(
+                    token_id=lp.token_id, logprob=lp.logprob, rank=lp.rank or 0,
+                    top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top.items()]))
         sent = self.sent_logprobs.get(c.index, 0)
         for lp in (c.logprobs or [])[sent:]:
             msg.logprobs.append(pb.TokenLogprob(

@@ -7,14 +7,16 @@ Requests are checked field by field before anything runs, and every refusal is a
 take / unknown fields, 401 for a missing API key, 404 for an unknown model (`model_not_found`), 413 for a body over
 the limit (refused from its Content-Length, before it is read), 429 for back-pressure (with `Retry-After`), 503
 while shutting down. Nothing a client asks for is silently changed: what OpenAI's API has and this server does not
-(`UNSUPPORTED`: prompt_logprobs, suffix, min_tokens, the legacy functions, ...) is a 400 naming the field, and so is
+(`UNSUPPORTED`: suffix, min_tokens, the legacy functions, ...) is a 400 naming the field, and so is
 a max_tokens that does not fit the model length after the prompt (vLLM's rule). Large bodies are parsed, and every
 prompt is tokenised, on worker threads: the event loop, and with it /health and every other stream, never waits
 for them.
 
 Both endpoints take `n` (choices with their index; chunks per choice when streaming; usage sums them), `logit_bias`
 and structured output (`response_format` json_object / json_schema, vLLM's `structured_outputs` and `guided_*`);
-completions take `echo` (not with `logprobs`: that needs prompt logprobs). Chat takes `tools`, `tool_choice`,
+completions take `echo` (with `logprobs`, the prompt's tokens lead them). With `--enable-prompt-logprobs` both take
+vLLM's `prompt_logprobs` (per choice in completions, at the top of a chat answer; the first chunk when streaming).
+Chat takes `tools`, `tool_choice`,
 `parallel_tool_calls` and `chat_template_kwargs` (M3's `thinking_mode`), and its replies are split into
 `reasoning_content`, `content` and `tool_calls` (serving/server.py `OutputPlan`, `MessageParser`).
 
@@ -214,6 +216,8 @@ class Options:
     # or None: not set, `SamplingParams.max_tokens` is a default that is lowered to what fits.
     max_tokens_param: str | None = None
     echo: bool = False  # completions: the prompt's text before each choice's text
+    echo_logprobs: bool = False  # completions with echo and logprobs: the prompt's tokens lead the logprobs
+    prompt_logprobs: bool = False  # the client asked for `prompt_logprobs` (vLLM's field in the answer)
     structured_param: str | None = None  # the field that asked for structured output
     keep_special: bool = False  # the client set skip_special_tokens=false
 
@@ -226,7 +230,7 @@ STRUCTURED_FIELDS = ("response_format", "structured_outputs", "guided_json", "gu
 _SAMPLING = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
              "ignore_eos", "logprobs", "repetition_penalty", "presence_penalty", "frequency_penalty",
              "skip_special_tokens", "stream", "stream_options", "return_token_ids", "n", "best_of", "logit_bias",
-             *STRUCTURED_FIELDS}
+             "prompt_logprobs", *STRUCTURED_FIELDS}
 COMPLETION_FIELDS = frozenset(_SAMPLING | {"prompt", "echo"})
 CHAT_FIELDS = frozenset(_SAMPLING | {"messages", "max_completion_tokens", "top_logprobs", "chat_template_kwargs",
                                      "add_generation_prompt", "tools", "tool_choice", "parallel_tool_calls"})
@@ -253,7 +257,6 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "reasoning_effort": (_absent, "reasoning effort: M3's is chat_template_kwargs.thinking_mode"),
     "include_stop_str_in_output": (lambda v: v is False, "stop strings in the output"),
     "min_tokens": (lambda v: v == 0, "a minimum output length"),
-    "prompt_logprobs": (_absent, "prompt logprobs"),
     "allowed_token_ids": (_absent, "restricting the vocabulary"),
     "bad_words": (lambda v: v == [], "banned words"),
     "use_beam_search": (lambda v: v is False, "beam search"),
@@ -412,9 +415,10 @@ def sampling_params(body: dict[str, Any], *, chat: bool, max_model_len: int) -> 
         raise APIError(f"`best_of` {best_of} differs from `n` {n}: ranking samples (best_of > n) is not supported; "
                        "this server returns every sample it draws", param="best_of")
     echo = _get(body, "echo", bool, False) if not chat else False
-    if echo and logprobs is not None:
-        raise APIError("`echo` with `logprobs` needs the prompt's logprobs, which this server does not compute "
-                       "yet: send one of them", param="echo")
+    prompt_logprobs = _get(body, "prompt_logprobs", int)
+    echo_logprobs = echo and logprobs is not None
+    if echo_logprobs:  # the echoed prompt's tokens get logprobs too (OpenAI's legacy completions)
+        prompt_logprobs = max(prompt_logprobs or 0, logprobs)
     structured, structured_param = structured_outputs(body)
     kwargs: dict[str, Any] = {
         "max_tokens": max_tokens,
@@ -427,6 +431,7 @@ def sampling_params(body: dict[str, Any], *, chat: bool, max_model_len: int) -> 
         "stop_token_ids": stop_ids,
         "ignore_eos": _get(body, "ignore_eos", bool, False),
         "logprobs": logprobs,
+        "prompt_logprobs": prompt_logprobs,
         "repetition_penalty": _get(body, "repetition_penalty", float, 1.0),
         "presence_penalty": _get(body, "presence_penalty", float, 0.0),
         "frequency_penalty": _get(body, "frequency_penalty", float, 0.0),
@@ -443,7 +448,8 @@ def sampling_params(body: dict[str, Any], *, chat: bool, max_model_len: int) -> 
             named = param
         raise APIError(str(e), param=named) from None
     return params, Options(stream, include_usage, _get(body, "return_token_ids", bool, False), param, echo,
-                           structured_param, body.get("skip_special_tokens") is False)
+                           echo_logprobs, body.get("prompt_logprobs") is not None, structured_param,
+                           body.get("skip_special_tokens") is False)
 
 
 # ---- responses -----------------------------------------------------------------------------------------------
@@ -509,6 +515,33 @@ class _Answer:
         return {"tokens": [tok(e.token_id) for e in entries], "token_logprobs": [e.logprob for e in entries],
                 "top_logprobs": [{tok(t): v for t, v in e.top.items()} for e in entries], "text_offset": offsets}
 
+    def prompt_logprobs(self, entries: list[Logprob | None]) -> list[dict[str, Any] | None]:
+        """vLLM's `prompt_logprobs`: per prompt token (None for the first) its id -> logprob, rank and text, with
+        the top tokens (ranks 1..k) beside it."""
+        tok = self.server.token_str
+        out: list[dict[str, Any] | None] = []
+        for e in entries:
+            if e is None:
+                out.append(None)
+                continue
+            d = {str(t): {"logprob": v, "rank": r, "decoded_token": tok(t)}
+                 for r, (t, v) in enumerate(sorted(e.top.items(), key=lambda kv: -kv[1]), start=1)}
+            d[str(e.token_id)] = {"logprob": e.logprob, "rank": e.rank, "decoded_token": tok(e.token_id)}
+            out.append(d)
+        return out
+
+    def _echo_logprobs(self, st: _Choice, prompt_ids: list[int], entries: list[Logprob | None]) -> dict[str, Any]:
+        """The legacy completions logprobs of the echoed prompt (its first token has none, as OpenAI's)."""
+        tok = self.server.token_str
+        offsets = []
+        for t in prompt_ids:
+            offsets.append(st.text_offset)
+            st.text_offset += len(tok(t))
+        return {"tokens": [tok(t) for t in prompt_ids],
+                "token_logprobs": [None if e is None else e.logprob for e in entries],
+                "top_logprobs": [None if e is None else {tok(t): v for t, v in e.top.items()} for e in entries],
+                "text_offset": offsets}
+
     def _choice(self, out: RequestOutput, body: dict[str, Any], token_ids: list[int], st: _Choice
                 ) -> dict[str, Any]:
         """The choice object around `body` (its message, delta or text)."""
@@ -516,7 +549,14 @@ class _Answer:
         entries = (c.logprobs or [])[st.sent_logprobs:] if c.logprobs is not None else None
         st.sent_logprobs = len(c.logprobs or ())
         choice: dict[str, Any] = {"index": c.index, **body}
+        echoed = None
+        if self.options.echo_logprobs and not st.started and out.prompt_logprobs is not None:
+            echoed = self._echo_logprobs(st, out.prompt_token_ids, out.prompt_logprobs)
         choice["logprobs"] = self._logprobs(st, entries) if entries is not None else None
+        if echoed is not None:
+            choice["logprobs"] = {k: echoed[k] + (choice["logprobs"] or {}).get(k, []) for k in echoed}
+        if not self.chat and self.options.prompt_logprobs and not st.started and out.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = self.prompt_logprobs(out.prompt_logprobs)
         finish, stop = (c.finish_reason, c.stop_reason) if out.finished else (None, None)
         if st.parser is not None and out.finished:
             finish, stop = st.parser.finish_reason(finish), st.parser.stop_reason(stop)
@@ -575,6 +615,8 @@ class _Answer:
                     {"text": (self.echo or "") + c.text})
             choices.append(self._choice(out, body, c.token_ids, st))
         body = self._envelope(choices, stream=False)
+        if self.chat and self.options.prompt_logprobs and self.finals:  # vLLM: at the top of a chat answer
+            body["prompt_logprobs"] = self.prompt_logprobs(self.finals[min(self.finals)].prompt_logprobs or [])
         body["usage"] = _usage(self.finals)
         return body
 
@@ -594,7 +636,10 @@ class _Answer:
             body: dict[str, Any] = {"delta": self._delta(st, out.delta_text, out.finished)}
         else:
             body = {"text": (self.echo if self.echo is not None and not st.started else "") + out.delta_text}
+        first = not st.started
         chunk = self._envelope([self._choice(out, body, out.delta_token_ids, st)], stream=True)
+        if self.chat and self.options.prompt_logprobs and first and index == 0 and out.prompt_logprobs is not None:
+            chunk["prompt_logprobs"] = self.prompt_logprobs(out.prompt_logprobs)
         if self.options.include_usage:
             chunk["usage"] = None  # OpenAI: every chunk has the field; only the last one fills it
         return chunk

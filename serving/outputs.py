@@ -24,6 +24,7 @@ class SamplingParams:
     stop_token_ids: Sequence[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # None = none; k = the chosen token's logprob and the top-k
+    prompt_logprobs: int | None = None  # None = none; k = each prompt token's logprob, rank and the top-k
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -55,6 +56,10 @@ class SamplingParams:
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 raise bad("structured_outputs", "must be a StructuredOutputsParams")
             self.structured_outputs.validate()
+        if self.prompt_logprobs is not None and (
+                not isinstance(self.prompt_logprobs, int) or isinstance(self.prompt_logprobs, bool)
+                or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise bad("prompt_logprobs", f"must be an integer in [0, {MAX_LOGPROBS}] or None")
         validate_sampling(self.temperature, self.top_p, self.top_k, self.min_p, self.repetition_penalty,
                           self.presence_penalty, self.frequency_penalty, self.logprobs, MAX_LOGPROBS)
         if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
@@ -76,6 +81,7 @@ class Logprob:
     token_id: int
     logprob: float
     top: dict[int, float]  # the top-n token ids -> logprob (n = SamplingParams.logprobs)
+    rank: int | None = None  # 1 + how many tokens were more likely (prompt logprobs)
 
 
 @dataclasses.dataclass
@@ -101,3 +107,6 @@ class RequestOutput:
     error: str | None = None
     rejected: bool = False  # the error is the request's fault (refused at admission), not the engine's
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+    # With SamplingParams.prompt_logprobs: one entry per prompt token (None for the first, which has no context),
+    # in every output once the prompt has been computed.
+    prompt_logprobs: list[Logprob | None] | None = None

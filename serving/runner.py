@@ -46,9 +46,11 @@ from serving.request import PLACEHOLDER
 from serving.sampling import (
     HistoryRows,
     PenaltyHistory,
+    PromptLogprobs,
     SampleOutput,
     SamplingTensors,
     TokenConstraints,
+    prompt_logprobs,
     record_history,
     sample,
     uses_penalty,
@@ -95,6 +97,10 @@ class InFlight:
     out: SampleOutput | None = None  # set once sampling is dispatched
     spec: SpecOutput | None = None  # a speculative step's outputs (then `out` stays None)
     sampled_index: list[int] = dataclasses.field(default_factory=list)  # each sampled row's request row
+    # Prompt logprobs: the step's per-token results (device) and, per request, (seq, first prompt position,
+    # first flat token, count): its positions p .. p + count - 1 are tokens flat .. flat + count - 1.
+    prompt: PromptLogprobs | None = None
+    prompt_spans: list[tuple[int, int, int, int]] = dataclasses.field(default_factory=list)
 
     @property
     def num_rows(self) -> int:
@@ -128,17 +134,21 @@ class Draft:
 
 
 def _forward(params: Any, kv: KVPages, history: PenaltyHistory, prev_tokens: jax.Array, batch: Batch,
-             prev_index: jax.Array, history_rows: HistoryRows, *, cfg: Any, kernels: KernelChoice,
-             logits_sharding: Any = None) -> tuple[KVPages, PenaltyHistory, jax.Array]:
+             prev_index: jax.Array, history_rows: HistoryRows, targets: jax.Array | None = None, *, cfg: Any,
+             kernels: KernelChoice, logits_sharding: Any = None) -> tuple[Any, ...]:
+    """The step's forward. With `targets` (i32[T], each token's next prompt token or -1), the "forward_plp"
+    executable: also every token's prompt logprobs."""
     # Placeholders: tokens the previous step sampled, taken from its device output.
     token_ids = jnp.where(prev_index >= 0, prev_tokens[jnp.maximum(prev_index, 0)], batch.token_ids)
     batch = dataclasses.replace(batch, token_ids=token_ids)
     history = record_history(history, history_rows, token_ids, batch.token_row, batch.positions,
                              batch.query_start[-1])
-    out = forward(params, cfg, kv, batch, kernels)
+    out = forward(params, cfg, kv, batch, kernels, all_hidden=targets is not None)
     # Under TP the lm_head's output is split over the vocabulary: the sampling executable takes it whole.
     logits = out.logits if logits_sharding is None else jax.lax.with_sharding_constraint(out.logits, logits_sharding)
-    return out.kv, history, logits
+    if targets is None:
+        return out.kv, history, logits
+    return out.kv, history, logits, prompt_logprobs(out.hidden, params["lm_head"], targets, MAX_LOGPROBS)
 
 
 def _sample(logits: jax.Array, history: PenaltyHistory, sampling: SamplingTensors, constraints: TokenConstraints,
@@ -151,7 +161,8 @@ def _sample(logits: jax.Array, history: PenaltyHistory, sampling: SamplingTensor
 
 class ModelRunner:
     def __init__(self, model: M3Model, num_pages: int, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, cache_dir: str | Path | None = None, draft: Draft | None = None):
+                 max_model_len: int, cache_dir: str | Path | None = None, draft: Draft | None = None,
+                 enable_prompt_logprobs: bool = False):
         self.model = model
         self.cfg = model.cfg
         self.page_size = model.page_size
@@ -166,6 +177,11 @@ class ModelRunner:
                                                  logits_sharding=model.rules.replicated()), donate_argnums=(1, 2)),
             "sample": jax.jit(functools.partial(_sample, max_logprobs=MAX_LOGPROBS, num_prev=max_num_seqs)),
         }
+        # Prompt logprobs: a second forward per token bucket (every token's logprobs), used only by steps that
+        # hold such a request, so that the others pay nothing.
+        self.enable_prompt_logprobs = enable_prompt_logprobs
+        if enable_prompt_logprobs:
+            self._fns["forward_plp"] = self._fns["forward"]
         self.draft = draft
         if draft is not None:
             # One executable a step: target, verification and the draft's passes (serving/speculative.py).
@@ -215,9 +231,11 @@ class ModelRunner:
                     TokenConstraints.empty(rows * width, V), np.full(rows * width, -1, np.int32),
                     np.zeros(rows, np.int32), np.zeros(rows, np.int32))
             device = (self.model.params, self.draft.params, self.kv, self.draft_pages, self.history)
-        elif what == "forward":
+        elif what in ("forward", "forward_plp"):
             batch, _ = build_batch([], self.page_size, size, self.rows_for(size), self.pages_per_row)
             host = (batch, np.zeros(size, np.int32), HistoryRows.untracked(self.rows_for(size), self.max_num_seqs))
+            if what == "forward_plp":
+                host = (*host, np.full(size, -1, np.int32))
             device = (self.model.params, self.kv, self.history, self.prev_tokens)
         else:
             host = (SamplingTensors.build([], [], size, num_slots=self.max_num_seqs),
@@ -284,7 +302,8 @@ class ModelRunner:
         if self.draft is not None:
             return [("spec", t) for t in self.token_buckets]
         rows = sorted({self.rows_for(t) for t in self.token_buckets})
-        return [("forward", t) for t in self.token_buckets] + [("sample", r) for r in rows]
+        plp = [("forward_plp", t) for t in self.token_buckets] if self.enable_prompt_logprobs else []
+        return [("forward", t) for t in self.token_buckets] + plp + [("sample", r) for r in rows]
 
     @property
     def num_executables(self) -> int:
@@ -333,6 +352,30 @@ class ModelRunner:
                                          num_rows, slots=[r.slot for r in sampled_rows], num_slots=S)
         return num_tokens, (batch, prev_index, history_rows), sampling, [i for i in sample_index if i >= 0]
 
+    def prompt_targets(self, scheduled: SchedulerOutput, batch: Batch, num_tokens: int
+                       ) -> tuple[np.ndarray, list[tuple[int, int, int, int]]]:
+        """For the rows of requests that asked for prompt logprobs: each prompt token's next prompt token as its
+        target (i32[num_tokens], -1 elsewhere), and their spans (InFlight.prompt_spans). No spans: none asked."""
+        targets = np.full(num_tokens, -1, np.int32)
+        spans = []
+        if not self.enable_prompt_logprobs:
+            return targets, spans
+        for i, r in enumerate(scheduled.rows):
+            if getattr(r.sampling, "prompt_logprobs", None) is None:
+                continue
+            # Positions start .. end - 1 whose next token is a prompt token: p + 1 < num_prompt.
+            end = min(r.start + len(r.token_ids), r.num_prompt - 1)
+            if end <= r.start:
+                continue
+            flat = int(batch.query_start[i])
+            n = end - r.start
+            following = list(r.token_ids[1:n + 1])
+            if len(following) < n:  # the chunk's last token: its next prompt token is the next chunk's first
+                following.append(r.next_token)
+            targets[flat:flat + n] = following
+            spans.append((r.seq, r.start, flat, n))
+        return targets, spans
+
     def launch(self, scheduled: SchedulerOutput, constraints: TokenConstraints | None = None,
                defer_sampling: bool = False) -> InFlight:
         """Dispatch a step's forward, and its sampling unless `defer_sampling` (then `sample` does, with the
@@ -340,9 +383,15 @@ class ModelRunner:
         if self.draft is not None:
             return self._launch_spec(scheduled, constraints)
         num_tokens, forward_args, sampling, sampled_index = self.inputs(scheduled)
+        targets, spans = self.prompt_targets(scheduled, forward_args[0], num_tokens)
+        prompt = None
         try:
-            self.kv, self.history, logits = self.executable("forward", num_tokens)(
-                self.model.params, self.kv, self.history, self.prev_tokens, *forward_args)
+            if spans:
+                self.kv, self.history, logits, prompt = self.executable("forward_plp", num_tokens)(
+                    self.model.params, self.kv, self.history, self.prev_tokens, *forward_args, targets)
+            else:
+                self.kv, self.history, logits = self.executable("forward", num_tokens)(
+                    self.model.params, self.kv, self.history, self.prev_tokens, *forward_args)
         except Exception as e:
             self._reset_state()
             raise StepFailed(f"step failed: {e}") from e
@@ -350,7 +399,7 @@ class ModelRunner:
         seqs = [r.seq for r in sampled_rows]
         self._prev_index = dict(zip(seqs, sampled_index, strict=True))
         want = any(getattr(r.sampling, "logprobs", None) is not None for r in sampled_rows)
-        step = InFlight(scheduled, seqs, logits, sampling, want)
+        step = InFlight(scheduled, seqs, logits, sampling, want, prompt=prompt, prompt_spans=spans)
         if not defer_sampling:
             self.sample(step, constraints)
         return step
@@ -452,10 +501,16 @@ class ModelRunner:
         n = len(step.seqs)
         try:
             tokens = np.asarray(step.out.tokens)[:n]
-            if not step.want_logprobs:
-                return ModelRunnerOutput(step.seqs, tokens)
-            return ModelRunnerOutput(step.seqs, tokens, np.asarray(step.out.logprobs)[:n],
-                                     np.asarray(step.out.top_ids)[:n], np.asarray(step.out.top_logprobs)[:n])
+            result = ModelRunnerOutput(step.seqs, tokens)
+            if step.want_logprobs:
+                result = ModelRunnerOutput(step.seqs, tokens, np.asarray(step.out.logprobs)[:n],
+                                           np.asarray(step.out.top_ids)[:n], np.asarray(step.out.top_logprobs)[:n])
+            if step.prompt is not None:
+                p = jax.tree.map(np.asarray, step.prompt)
+                result.prompt_logprobs = {
+                    seq: (start, p.logprobs[f:f + n_], p.ranks[f:f + n_], p.top_ids[f:f + n_], p.top_logprobs[f:f + n_])
+                    for seq, start, f, n_ in step.prompt_spans}
+            return result
         except Exception as e:
             self._reset_state()
             raise StepFailed(f"step failed: {e}") from e

@@ -449,6 +449,40 @@ def sample(logits: jax.Array, t: SamplingTensors, max_logprobs: int, history: Pe
     return SampleOutput(tokens, token_logprobs, top_ids.astype(jnp.int32), top_logprobs, accept, residual)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PromptLogprobs:
+    """Per token of a step [T]: the log-probability of the token that follows it (`target`), its rank (1 + the
+    tokens more likely), and the top tokens, from the same raw log-softmax as sampled tokens' logprobs."""
+
+    logprobs: jax.Array  # f32[T]
+    ranks: jax.Array  # i32[T]
+    top_ids: jax.Array  # i32[T, max_logprobs]
+    top_logprobs: jax.Array  # f32[T, max_logprobs]
+
+
+def prompt_logprobs(hidden_TD: jax.Array, lm_head_DV: jax.Array, targets_T: jax.Array, max_logprobs: int,
+                    chunk: int = 64) -> PromptLogprobs:
+    """Prompt logprobs of every token of a step: `hidden_TD` the final-normed hidden states, `targets_T` the next
+    prompt token of each (-1: none; its entries are meaningless). The vocabulary-wide logits are made `chunk`
+    tokens at a time (a sequential map), so a step of T tokens never holds [T, V] at once."""
+    T = hidden_TD.shape[0]
+    c = math.gcd(T, chunk)
+
+    def one(args: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, ...]:
+        h, tgt = args
+        logits = jnp.einsum("td,dv->tv", h, lm_head_DV, preferred_element_type=jnp.float32)
+        raw = jax.nn.log_softmax(logits, axis=-1)
+        lp = jnp.take_along_axis(raw, jnp.maximum(tgt, 0)[:, None], axis=-1)[:, 0]
+        rank = 1 + jnp.sum(raw > lp[:, None], axis=-1, dtype=jnp.int32)
+        top_lp, top_ids = jax.lax.top_k(raw, max_logprobs)
+        return lp, rank, top_ids.astype(jnp.int32), top_lp
+
+    out = jax.lax.map(one, (hidden_TD.reshape(T // c, c, -1), targets_T.reshape(T // c, c)))
+    lp, rank, top_ids, top_lp = (x.reshape(T, *x.shape[2:]) for x in out)
+    return PromptLogprobs(lp, rank, top_ids, top_lp)
+
+
 # ---- validation for the API layer --------------------------------------------------------------------------
 
 

@@ -85,6 +85,9 @@ class ModelRunnerOutput:
     top_logprobs: np.ndarray | None = None
     num_emitted: np.ndarray | None = None  # [n]: speculation's 1 + accepted drafts per row
     drafts: np.ndarray | None = None  # [n, k]: the drafts proposed for each row's next step
+    # Request.seq -> (first prompt position p, logprobs [m], ranks [m], top ids [m, K], top logprobs [m, K]) for
+    # positions p .. p + m - 1 (the logprob of prompt token p + 1 + j); rows that sample or not alike.
+    prompt_logprobs: dict[int, tuple] | None = None
 
     def emitted(self, i: int) -> list[int]:
         """The tokens sampled row i emitted, in order."""

@@ -86,7 +86,7 @@ def test_openai_fields_map_to_sampling_params():
     cases = [({"max_tokens": "5"}, "max_tokens"), ({"max_tokens": -1}, "max_tokens"), ({"n": 0}, "n"),
              ({"n": 17}, "n"), ({"best_of": 3}, "best_of"), ({"temperature": "hot"}, "temperature"),
              ({"top_p": 0}, "top_p"), ({"stop": 5}, "stop"), ({"stream_options": {}}, "stream_options"),
-             ({"echo": True, "logprobs": 1}, "echo"), ({"logit_bias": {"x": 1}}, "logit_bias"),
+             ({"prompt_logprobs": "1"}, "prompt_logprobs"), ({"logit_bias": {"x": 1}}, "logit_bias"),
              ({"logit_bias": {"1": 200}}, "logit_bias"), ({"logit_bias": [1]}, "logit_bias"),
              ({"response_format": {"type": "xml"}}, "response_format"), ({"guided_choice": "a"}, "guided_choice"),
              ({"structured_outputs": {"choice": []}}, "structured_outputs")]
@@ -100,6 +100,11 @@ def test_openai_fields_map_to_sampling_params():
     p, opts = sampling_params({"n": 3, "best_of": 3, "logit_bias": {"5": -100, "7": 2.5}, "echo": True,
                                "response_format": {"type": "json_object"}}, chat=False, max_model_len=256)
     assert (p.n, p.logit_bias, opts.echo, opts.structured_param) == (3, {5: -100.0, 7: 2.5}, True, "response_format")
+    # echo with logprobs: the prompt's tokens get logprobs too (at least as many top entries as asked).
+    q, q_opts = sampling_params({"echo": True, "logprobs": 2}, chat=False, max_model_len=256)
+    assert (q.prompt_logprobs, q_opts.echo_logprobs, q_opts.prompt_logprobs) == (2, True, False)
+    q, q_opts = sampling_params({"prompt_logprobs": 0}, chat=True, max_model_len=256)
+    assert (q.prompt_logprobs, q_opts.prompt_logprobs) == (0, True)
     assert p.structured_outputs.json_object
     for body, param, kind in (({"guided_json": {"type": "object"}}, "guided_json", "json"),
                               ({"guided_regex": "a+"}, "guided_regex", "regex"),
@@ -124,7 +129,7 @@ def test_unsupported_and_unknown_fields_are_refused_by_name():
     """Every UNSUPPORTED field set to something is a 400 naming it; at its neutral value (or null) it passes;
     OpenAI's bookkeeping fields pass; an unknown field is a 400 naming it."""
     asked = {"echo": True, "suffix": "x", "functions": [{}], "function_call": "auto", "reasoning_effort": "high",
-             "include_stop_str_in_output": True, "min_tokens": 3, "prompt_logprobs": 1, "allowed_token_ids": [1],
+             "include_stop_str_in_output": True, "min_tokens": 3, "allowed_token_ids": [1],
              "bad_words": ["x"], "use_beam_search": True, "truncate_prompt_tokens": 5,
              "continue_final_message": True, "chat_template": "{{ x }}", "documents": [{}],
              "modalities": ["audio"], "audio": {}, "prediction": {}, "web_search_options": {}}
@@ -248,6 +253,9 @@ def test_grpc_invalid_arguments_and_server_keeps_serving(server, info):
          "has 2 input tokens"),
         (pb.GenerateRequest(chat=pb.Chat(messages=[pb.ChatMessage(role="wizard", content="x")])), "role"),
         (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1]), sampling=pb.SamplingParams(logprobs=1000)), "logprobs"),
+        # This server was started without --enable-prompt-logprobs.
+        (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2]), sampling=pb.SamplingParams(prompt_logprobs=1)),
+         "--enable-prompt-logprobs"),
     ]
 
     async def run(stub, ch):
@@ -387,6 +395,9 @@ def test_http_malformed_requests_get_clear_errors(server):
         (body(prompt=[7] * 300), 400, "prompt", "model length"),
         (body(prompt=[[1], [2]]), 400, "prompt", "batch of 2"),
         (body(prompt=[1, 2], logprobs=100), 400, "logprobs", "logprobs"),
+        # Prompt logprobs (asked for, or needed by echo with logprobs) on a server started without them.
+        (body(prompt=[1, 2], prompt_logprobs=1), 400, "prompt_logprobs", "--enable-prompt-logprobs"),
+        (body(prompt=[1, 2], echo=True, logprobs=1), 400, "prompt_logprobs", "--enable-prompt-logprobs"),
         (body(prompt=[1, 2], stream="yes"), 400, "stream", "boolean"),
         # Nothing asked for is silently changed: a max_tokens that does not fit, fields this server lacks.
         (body(prompt=[1, 2], max_tokens=255), 400, "max_tokens", "is too large: 255"),

@@ -16,6 +16,7 @@ import types
 
 import grpc
 import jsonschema
+import numpy as np
 import openai
 import pytest
 from serving_helpers import ServerProcess, checkpoint_copy, scrape, wait_idle
@@ -103,7 +104,7 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(ckpt, tmp_path_factory):
-    srv = ServerProcess(["--model", str(ckpt), "--throughput-log-interval", "0"],
+    srv = ServerProcess(["--model", str(ckpt), "--throughput-log-interval", "0", "--enable-prompt-logprobs"],
                         tmp_path_factory.mktemp("features") / "server.log")
     yield srv
     assert srv.stop() == 0, srv.log_tail()
@@ -436,11 +437,60 @@ def test_echo_puts_the_prompt_before_the_completion(server):
                                             echo=True, stream=True))
     assert "".join(c.choices[0].text for c in chunks) == echoed.choices[0].text
     assert chunks[0].choices[0].text.startswith("def f(x):")
-    for kw, param in ((dict(echo=True, logprobs=1), "echo"), (dict(extra_body={"prompt_logprobs": 1}),
-                                                               "prompt_logprobs")):
-        with pytest.raises(openai.BadRequestError) as e:
-            client.completions.create(model=server.model, prompt="x", max_tokens=1, **kw)
-        assert e.value.body["param"] == param
+
+
+def _plp_values(entries, prompt):
+    """vLLM's prompt_logprobs list -> [(logprob, rank)] of the prompt's own tokens, checking its shape."""
+    assert len(entries) == len(prompt) and entries[0] is None
+    out = []
+    for p, e in enumerate(entries[1:], start=1):
+        mine = e[str(prompt[p])]
+        assert mine["rank"] >= 1 and isinstance(mine["decoded_token"], str)
+        out.append((mine["logprob"], mine["rank"]))
+    return out
+
+
+def test_prompt_logprobs_on_both_endpoints_and_grpc(server, tok):
+    """`prompt_logprobs` (vLLM's field) per completions choice, at the top of a chat answer and on the first
+    streamed chunk; echo with logprobs leads the legacy logprobs with the prompt's; gRPC's first message carries
+    the same values."""
+    client = _client(server)
+    prompt = tok.encode("def f(x): return x * 2")
+    out = client.completions.create(model=server.model, prompt=prompt, max_tokens=3, temperature=0,
+                                    extra_body={"prompt_logprobs": 2, "return_token_ids": True})
+    entries = out.choices[0].prompt_logprobs
+    values = _plp_values(entries, prompt)
+    # The top 2 (ranks 1 and 2), and the prompt's token beside them when it is not one of them.
+    assert [len(e) for e in entries[1:]] == [2 if rank <= 2 else 3 for _, rank in values]
+    assert all(sorted(v["rank"] for k, v in e.items() if k != str(t)) in ([1, 2], [1], [2])
+               for e, t in zip(entries[1:], prompt[1:], strict=True))
+    assert all(lp <= 0 for lp, _ in values)
+
+    streamed = list(client.completions.create(model=server.model, prompt=prompt, max_tokens=3, temperature=0,
+                                              stream=True, extra_body={"prompt_logprobs": 2}))
+    firsts = [c for c in streamed if getattr(c.choices[0], "prompt_logprobs", None)]
+    assert len(firsts) == 1 and firsts[0] is streamed[0]
+    assert _plp_values(firsts[0].choices[0].prompt_logprobs, prompt) == values
+
+    echoed = client.completions.create(model=server.model, prompt=prompt, max_tokens=3, temperature=0, echo=True,
+                                       logprobs=1)
+    lp = echoed.choices[0].logprobs
+    assert len(lp.tokens) == len(prompt) + 3 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    np.testing.assert_allclose(lp.token_logprobs[1:len(prompt)], [v for v, _ in values], rtol=1e-5)
+    assert lp.text_offset == sorted(lp.text_offset) and "".join(lp.tokens) == echoed.choices[0].text
+    assert not hasattr(echoed.choices[0], "prompt_logprobs") or echoed.choices[0].prompt_logprobs is None
+
+    chat = client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": "hi"}],
+                                          max_tokens=2, temperature=0, extra_body={"prompt_logprobs": 0})
+    chat_prompt = chat.model_extra["prompt_logprobs"]
+    assert chat_prompt[0] is None and all(len(e) == 1 for e in chat_prompt[1:])
+
+    msgs = _collect_grpc(server, pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=pb.SamplingParams(
+        max_tokens=3, temperature=0, prompt_logprobs=2)))
+    assert len(msgs[0].prompt_logprobs) == len(prompt) - 1 and not any(m.prompt_logprobs for m in msgs[1:])
+    assert [e.token_id for e in msgs[0].prompt_logprobs] == prompt[1:]
+    np.testing.assert_allclose([e.logprob for e in msgs[0].prompt_logprobs], [v for v, _ in values], rtol=1e-5)
+    assert [e.rank for e in msgs[0].prompt_logprobs] == [r for _, r in values]
 
 
 # ---- reasoning ---------------------------------------------------------------------------------------------

@@ -182,3 +182,52 @@ def wait_idle(http_url: str, timeout: float = 60.0) -> dict[str, float]:
         if all(m[k] == 0 for k in keys) or time.monotonic() > deadline:
             return m
         time.sleep(0.1)
+
+
+# M3's chat format as its checkpoint's chat_template.jinja renders it, for tests whose checkpoint must speak it
+# (the embedded tiny template renders neither tool calls nor thinking): the XML of tool-call arguments, the
+# messages, and a header and generation prompt of the test's own (Jinja text, `ns` = M3's tool namespace).
+_M3_LIKE_HEAD = r"""
+{%- macro to_xml(val, ns) -%}
+{%- if val is mapping -%}
+{%- for k, v in val.items() if v is not none -%}{{ ns }}<{{ k }}>{{ to_xml(v, ns) }}{{ ns }}</{{ k }}>{%- endfor -%}
+{%- elif val is iterable and val is not string -%}
+{%- for item in val -%}{{ ns }}<item>{{ to_xml(item, ns) }}{{ ns }}</item>{%- endfor -%}
+{%- elif val is none -%}
+{%- elif val is boolean -%}{{ val | tojson }}
+{%- else -%}{{ val }}
+{%- endif -%}
+{%- endmacro -%}
+{%- set ns = ']<]minimax[>[' -%}
+"""
+_M3_LIKE_MESSAGES = r"""{%- for message in messages -%}
+{%- if message.role == 'assistant' -%}
+{{- ']~b]ai\n' -}}
+{%- if message.reasoning_content -%}{{- '<mm:think>' ~ message.reasoning_content ~ '</mm:think>' -}}
+{%- else -%}{{- '</mm:think>' -}}{%- endif -%}
+{{- message.content or '' -}}
+{%- if message.tool_calls -%}
+{{- ns ~ '<tool_call>\n' -}}
+{%- for call in message.tool_calls -%}
+{{- ns ~ '<invoke name="' ~ call.function.name ~ '">' -}}
+{%- for k, v in call.function.arguments.items() if v is not none -%}
+{{- ns ~ '<' ~ k ~ '>' ~ to_xml(v, ns) ~ ns ~ '</' ~ k ~ '>' -}}
+{%- endfor -%}
+{{- ns ~ '</invoke>\n' -}}
+{%- endfor -%}
+{{- ns ~ '</tool_call>' -}}
+{%- endif -%}
+{{- '[e~[\n' -}}
+{%- elif message.role == 'tool' -%}
+{%- if loop.first or messages[loop.index0 - 1].role != 'tool' -%}{{- ']~b]tool' -}}{%- endif -%}
+{{- '\n<response>' ~ message.content ~ '</response>' -}}
+{%- if loop.last or messages[loop.index0 + 1].role != 'tool' -%}{{- '[e~[\n' -}}{%- endif -%}
+{%- else -%}
+{{- ']~b]' ~ message.role ~ '\n' ~ message.content ~ '[e~[\n' -}}
+{%- endif -%}
+{%- endfor -%}
+"""
+
+
+def m3_like_template(header: str, generation_prompt: str) -> str:
+    return _M3_LIKE_HEAD + header + _M3_LIKE_MESSAGES + generation_prompt

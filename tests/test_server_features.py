@@ -19,26 +19,14 @@ import jsonschema
 import numpy as np
 import openai
 import pytest
-from serving_helpers import ServerProcess, checkpoint_copy, scrape, wait_idle
+from serving_helpers import ServerProcess, checkpoint_copy, m3_like_template, scrape, wait_idle
 
 from serving.proto import m3jax_pb2 as pb
 from serving.proto import m3jax_pb2_grpc as pb_grpc
 from serving.tokenizer import M3Tokenizer
 from serving.tool_calls import NS
 
-TEMPLATE = r"""
-{%- macro to_xml(val, ns) -%}
-{%- if val is mapping -%}
-{%- for k, v in val.items() if v is not none -%}{{ ns }}<{{ k }}>{{ to_xml(v, ns) }}{{ ns }}</{{ k }}>{%- endfor -%}
-{%- elif val is iterable and val is not string -%}
-{%- for item in val -%}{{ ns }}<item>{{ to_xml(item, ns) }}{{ ns }}</item>{%- endfor -%}
-{%- elif val is none -%}
-{%- elif val is boolean -%}{{ val | tojson }}
-{%- else -%}{{ val }}
-{%- endif -%}
-{%- endmacro -%}
-{%- set ns = ']<]minimax[>[' -%}
-{{- ']~!b[' -}}
+TEMPLATE = m3_like_template(r"""{{- ']~!b[' -}}
 {%- if tools -%}
 {{- ']~b]system\n' -}}
 {%- for t in tools -%}
@@ -46,38 +34,12 @@ TEMPLATE = r"""
 {%- endfor -%}
 {{- '[e~[\n' -}}
 {%- endif -%}
-{%- for message in messages -%}
-{%- if message.role == 'assistant' -%}
-{{- ']~b]ai\n' -}}
-{%- if message.reasoning_content -%}{{- '<mm:think>' ~ message.reasoning_content ~ '</mm:think>' -}}
-{%- else -%}{{- '</mm:think>' -}}{%- endif -%}
-{{- message.content or '' -}}
-{%- if message.tool_calls -%}
-{{- ns ~ '<tool_call>\n' -}}
-{%- for call in message.tool_calls -%}
-{{- ns ~ '<invoke name="' ~ call.function.name ~ '">' -}}
-{%- for k, v in call.function.arguments.items() if v is not none -%}
-{{- ns ~ '<' ~ k ~ '>' ~ to_xml(v, ns) ~ ns ~ '</' ~ k ~ '>' -}}
-{%- endfor -%}
-{{- ns ~ '</invoke>\n' -}}
-{%- endfor -%}
-{{- ns ~ '</tool_call>' -}}
-{%- endif -%}
-{{- '[e~[\n' -}}
-{%- elif message.role == 'tool' -%}
-{%- if loop.first or messages[loop.index0 - 1].role != 'tool' -%}{{- ']~b]tool' -}}{%- endif -%}
-{{- '\n<response>' ~ message.content ~ '</response>' -}}
-{%- if loop.last or messages[loop.index0 + 1].role != 'tool' -%}{{- '[e~[\n' -}}{%- endif -%}
-{%- else -%}
-{{- ']~b]' ~ message.role ~ '\n' ~ message.content ~ '[e~[\n' -}}
-{%- endif -%}
-{%- endfor -%}
-{%- if add_generation_prompt -%}
+""", r"""{%- if add_generation_prompt -%}
 {{- ']~b]ai\n' -}}
 {%- if thinking_mode == 'enabled' -%}{{- '<mm:think>' -}}
 {%- elif thinking_mode == 'disabled' -%}{{- '</mm:think>' -}}{%- endif -%}
 {%- endif -%}
-"""
+""")
 
 WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "days"], "properties": {
     "city": {"type": "string", "minLength": 1, "maxLength": 6},

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from serving_helpers import m3_like_template
 
 from serving.reasoning import ReasoningParser, ReasoningPhase, split_reasoning
 from serving.tokenizer import M3Tokenizer
@@ -393,48 +394,11 @@ def test_render_tool_calls_round_trips() -> None:
 
 # A chat template with M3's rendering rules for assistant tool calls and tool results (m3-spec.md §6; the
 # checkpoint's own chat_template.jinja): written here because the embedded tiny template renders neither.
-M3_LIKE_TEMPLATE = """
-{%- macro to_xml(val, ns) -%}
-{%- if val is mapping -%}
-{%- for k, v in val.items() if v is not none -%}{{ ns }}<{{ k }}>{{ to_xml(v, ns) }}{{ ns }}</{{ k }}>{%- endfor -%}
-{%- elif val is iterable and val is not string -%}
-{%- for item in val -%}{{ ns }}<item>{{ to_xml(item, ns) }}{{ ns }}</item>{%- endfor -%}
-{%- elif val is none -%}
-{%- elif val is boolean -%}{{ val | tojson }}
-{%- else -%}{{ val }}
-{%- endif -%}
-{%- endmacro -%}
-{%- set ns = ']<]minimax[>[' -%}
-{{- ']~!b[]~b]system\\nThink inside <mm:think></mm:think>. Call tools in ' ~ ns ~ '<tool_call>' ~ ns
-    ~ '</tool_call>.[e~[\\n' -}}
-{%- for message in messages -%}
-{%- if message.role == 'assistant' -%}
-{{- ']~b]ai\\n' -}}
-{%- if message.reasoning_content -%}{{- '<mm:think>' ~ message.reasoning_content ~ '</mm:think>' -}}
-{%- else -%}{{- '</mm:think>' -}}{%- endif -%}
-{{- message.content or '' -}}
-{%- if message.tool_calls -%}
-{{- ns ~ '<tool_call>\\n' -}}
-{%- for call in message.tool_calls -%}
-{{- ns ~ '<invoke name="' ~ call.function.name ~ '">' -}}
-{%- for k, v in call.function.arguments.items() if v is not none -%}
-{{- ns ~ '<' ~ k ~ '>' ~ to_xml(v, ns) ~ ns ~ '</' ~ k ~ '>' -}}
-{%- endfor -%}
-{{- ns ~ '</invoke>\\n' -}}
-{%- endfor -%}
-{{- ns ~ '</tool_call>' -}}
-{%- endif -%}
-{{- '[e~[\\n' -}}
-{%- elif message.role == 'tool' -%}
-{%- if loop.first or messages[loop.index0 - 1].role != 'tool' -%}{{- ']~b]tool' -}}{%- endif -%}
-{{- '\\n<response>' ~ message.content ~ '</response>' -}}
-{%- if loop.last or messages[loop.index0 + 1].role != 'tool' -%}{{- '[e~[\\n' -}}{%- endif -%}
-{%- else -%}
-{{- ']~b]' ~ message.role ~ '\\n' ~ message.content ~ '[e~[\\n' -}}
-{%- endif -%}
-{%- endfor -%}
-{%- if add_generation_prompt -%}{{- ']~b]ai\\n' -}}{%- endif -%}
-"""
+M3_LIKE_TEMPLATE = m3_like_template(r"""
+{{- ']~!b[]~b]system\nThink inside <mm:think></mm:think>. Call tools in ' ~ ns ~ '<tool_call>' ~ ns
+    ~ '</tool_call>.[e~[\n' -}}
+""", r"""{%- if add_generation_prompt -%}{{- ']~b]ai\n' -}}{%- endif -%}
+""")
 
 
 @pytest.fixture(scope="module")

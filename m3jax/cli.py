@@ -190,7 +190,23 @@ def _bench_serve(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _exit_on_signals() -> None:
+    """`serve`: from the first moment, SIGINT / SIGTERM exit 0 (nothing has started yet). The server replaces
+    these handlers with its own once its modules are imported (jax among them: seconds)."""
+    import os
+    import signal
+
+    def bye(signum: int, _frame: object) -> None:
+        print(f"{signal.Signals(signum).name} during start-up (importing): exiting", file=sys.stderr, flush=True)
+        os._exit(0)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, bye)
+
+
 def main(argv: list[str] | None = None) -> int:
+    if (sys.argv[1:] if argv is None else argv)[:1] == ["serve"]:
+        _exit_on_signals()
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

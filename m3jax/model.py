@@ -259,8 +259,11 @@ def forward(params: Params, cfg: M3Config, kv: KVPages, batch: Batch, kernels: K
         if sel is not None:
             selections.update({i: sel[j] for j, i in enumerate(run.layers)})
 
-    hidden = rms_norm(x, params["final_norm"], cfg.rms_norm_eps) if all_hidden else None
-    x = hidden[batch.logit_rows] if all_hidden else rms_norm(x[batch.logit_rows], params["final_norm"],
-                                                             cfg.rms_norm_eps)
+    hidden = None
+    if all_hidden:  # the norm is per token: the logit rows are rows of every token's normed state
+        hidden = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+        x = hidden[batch.logit_rows]
+    else:
+        x = rms_norm(x[batch.logit_rows], params["final_norm"], cfg.rms_norm_eps)
     logits = jnp.einsum("td,dv->tv", x, params["lm_head"], preferred_element_type=jnp.float32)
     return ForwardOutput(logits, new_kv, selections, aux, hidden)

@@ -216,8 +216,8 @@ class EngineCore:
                  if self.tokenizer is not None else None)
         if params.prompt_logprobs is not None:
             if not self.settings.enable_prompt_logprobs:
-                raise ValueError("prompt_logprobs: this server computes prompt logprobs only when started with "
-                                 "--enable-prompt-logprobs")
+                raise ValueError("prompt_logprobs: this server computes prompt logprobs (which `echo` with "
+                                 "`logprobs` needs too) only when started with --enable-prompt-logprobs")
             if self.num_speculative_tokens:
                 raise ValueError("prompt_logprobs: not available with speculative decoding on this server")
         if params.logit_bias and max(params.logit_bias) >= self.model.cfg.vocab_size:

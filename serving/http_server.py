@@ -7,18 +7,17 @@ Requests are checked field by field before anything runs, and every refusal is a
 take / unknown fields, 401 for a missing API key, 404 for an unknown model (`model_not_found`), 413 for a body over
 the limit (refused from its Content-Length, before it is read), 429 for back-pressure (with `Retry-After`), 503
 while shutting down. Nothing a client asks for is silently changed: what OpenAI's API has and this server does not
-(`UNSUPPORTED`: suffix, min_tokens, the legacy functions, ...) is a 400 naming the field, and so is
-a max_tokens that does not fit the model length after the prompt (vLLM's rule). Large bodies are parsed, and every
-prompt is tokenised, on worker threads: the event loop, and with it /health and every other stream, never waits
-for them.
+(`UNSUPPORTED`: suffix, min_tokens, the legacy functions, ...) is a 400 naming the field, and so is a max_tokens
+that does not fit the model length after the prompt (vLLM's rule). Large bodies are parsed, and every prompt is
+tokenised, on worker threads: the event loop, and with it /health and every other stream, never waits for them.
 
 Both endpoints take `n` (choices with their index; chunks per choice when streaming; usage sums them), `logit_bias`
 and structured output (`response_format` json_object / json_schema, vLLM's `structured_outputs` and `guided_*`);
 completions take `echo` (with `logprobs`, the prompt's tokens lead them). With `--enable-prompt-logprobs` both take
-vLLM's `prompt_logprobs` (per choice in completions, at the top of a chat answer; the first chunk when streaming).
-Chat takes `tools`, `tool_choice`,
-`parallel_tool_calls` and `chat_template_kwargs` (M3's `thinking_mode`), and its replies are split into
-`reasoning_content`, `content` and `tool_calls` (serving/server.py `OutputPlan`, `MessageParser`).
+vLLM's `prompt_logprobs` (per choice in completions, at the top of a chat answer; the first chunk when streaming;
+without the flag a 400 naming it). Chat takes `tools`, `tool_choice`, `parallel_tool_calls` and
+`chat_template_kwargs` (M3's `thinking_mode`), and its replies are split into `reasoning_content`, `content` and
+`tool_calls` (serving/server.py `OutputPlan`, `MessageParser`).
 
 Extras in vLLM's spelling: top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids, skip_special_tokens,
 chat_template_kwargs, add_generation_prompt, return_token_ids (token ids in each choice: `token_ids`, and
@@ -216,8 +215,11 @@ class Options:
     # or None: not set, `SamplingParams.max_tokens` is a default that is lowered to what fits.
     max_tokens_param: str | None = None
     echo: bool = False  # completions: the prompt's text before each choice's text
-    echo_logprobs: bool = False  # completions with echo and logprobs: the prompt's tokens lead the logprobs
-    prompt_logprobs: bool = False  # the client asked for `prompt_logprobs` (vLLM's field in the answer)
+    # Completions with echo and logprobs: the prompt's tokens lead the logprobs, with this many top entries.
+    echo_logprobs: int | None = None
+    # The client's `prompt_logprobs` (vLLM's field in the answer, this many top entries). Either may have made
+    # SamplingParams.prompt_logprobs larger: each takes its own top entries.
+    prompt_logprobs: int | None = None
     structured_param: str | None = None  # the field that asked for structured output
     keep_special: bool = False  # the client set skip_special_tokens=false
 
@@ -416,9 +418,10 @@ def sampling_params(body: dict[str, Any], *, chat: bool, max_model_len: int) -> 
                        "this server returns every sample it draws", param="best_of")
     echo = _get(body, "echo", bool, False) if not chat else False
     prompt_logprobs = _get(body, "prompt_logprobs", int)
-    echo_logprobs = echo and logprobs is not None
-    if echo_logprobs:  # the echoed prompt's tokens get logprobs too (OpenAI's legacy completions)
-        prompt_logprobs = max(prompt_logprobs or 0, logprobs)
+    asked_prompt_logprobs = prompt_logprobs
+    echo_logprobs = logprobs if echo else None
+    if echo_logprobs is not None:  # the echoed prompt's tokens get logprobs too (OpenAI's legacy completions)
+        prompt_logprobs = max(prompt_logprobs or 0, echo_logprobs)
     structured, structured_param = structured_outputs(body)
     kwargs: dict[str, Any] = {
         "max_tokens": max_tokens,
@@ -448,7 +451,7 @@ def sampling_params(body: dict[str, Any], *, chat: bool, max_model_len: int) -> 
             named = param
         raise APIError(str(e), param=named) from None
     return params, Options(stream, include_usage, _get(body, "return_token_ids", bool, False), param, echo,
-                           echo_logprobs, body.get("prompt_logprobs") is not None, structured_param,
+                           echo_logprobs, asked_prompt_logprobs, structured_param,
                            body.get("skip_special_tokens") is False)
 
 
@@ -517,15 +520,17 @@ class _Answer:
 
     def prompt_logprobs(self, entries: list[Logprob | None]) -> list[dict[str, Any] | None]:
         """vLLM's `prompt_logprobs`: per prompt token (None for the first) its id -> logprob, rank and text, with
-        the top tokens (ranks 1..k) beside it."""
+        the top k tokens (ranks 1..k) beside it."""
         tok = self.server.token_str
+        k = self.options.prompt_logprobs
         out: list[dict[str, Any] | None] = []
         for e in entries:
             if e is None:
                 out.append(None)
                 continue
+            # Logprob.top is in descending order (the device's top_k).
             d = {str(t): {"logprob": v, "rank": r, "decoded_token": tok(t)}
-                 for r, (t, v) in enumerate(sorted(e.top.items(), key=lambda kv: -kv[1]), start=1)}
+                 for r, (t, v) in enumerate(list(e.top.items())[:k], start=1)}
             d[str(e.token_id)] = {"logprob": e.logprob, "rank": e.rank, "decoded_token": tok(e.token_id)}
             out.append(d)
         return out
@@ -533,13 +538,15 @@ class _Answer:
     def _echo_logprobs(self, st: _Choice, prompt_ids: list[int], entries: list[Logprob | None]) -> dict[str, Any]:
         """The legacy completions logprobs of the echoed prompt (its first token has none, as OpenAI's)."""
         tok = self.server.token_str
+        k = self.options.echo_logprobs
         offsets = []
         for t in prompt_ids:
             offsets.append(st.text_offset)
             st.text_offset += len(tok(t))
         return {"tokens": [tok(t) for t in prompt_ids],
                 "token_logprobs": [None if e is None else e.logprob for e in entries],
-                "top_logprobs": [None if e is None else {tok(t): v for t, v in e.top.items()} for e in entries],
+                "top_logprobs": [None if e is None else {tok(t): v for t, v in list(e.top.items())[:k]}
+                                 for e in entries],
                 "text_offset": offsets}
 
     def _choice(self, out: RequestOutput, body: dict[str, Any], token_ids: list[int], st: _Choice
@@ -550,13 +557,14 @@ class _Answer:
         st.sent_logprobs = len(c.logprobs or ())
         choice: dict[str, Any] = {"index": c.index, **body}
         echoed = None
-        if self.options.echo_logprobs and not st.started and out.prompt_logprobs is not None:
-            echoed = self._echo_logprobs(st, out.prompt_token_ids, out.prompt_logprobs)
+        prompt_entries = out.prompt_logprobs if not st.started else None  # a choice's first object has them
+        if self.options.echo_logprobs is not None and prompt_entries is not None:
+            echoed = self._echo_logprobs(st, out.prompt_token_ids, prompt_entries)
         choice["logprobs"] = self._logprobs(st, entries) if entries is not None else None
         if echoed is not None:
             choice["logprobs"] = {k: echoed[k] + (choice["logprobs"] or {}).get(k, []) for k in echoed}
-        if not self.chat and self.options.prompt_logprobs and not st.started and out.prompt_logprobs is not None:
-            choice["prompt_logprobs"] = self.prompt_logprobs(out.prompt_logprobs)
+        if not self.chat and self.options.prompt_logprobs is not None and prompt_entries is not None:
+            choice["prompt_logprobs"] = self.prompt_logprobs(prompt_entries)
         finish, stop = (c.finish_reason, c.stop_reason) if out.finished else (None, None)
         if st.parser is not None and out.finished:
             finish, stop = st.parser.finish_reason(finish), st.parser.stop_reason(stop)
@@ -615,7 +623,7 @@ class _Answer:
                     {"text": (self.echo or "") + c.text})
             choices.append(self._choice(out, body, c.token_ids, st))
         body = self._envelope(choices, stream=False)
-        if self.chat and self.options.prompt_logprobs and self.finals:  # vLLM: at the top of a chat answer
+        if self.chat and self.options.prompt_logprobs is not None and self.finals:  # vLLM: at the top of a chat answer
             body["prompt_logprobs"] = self.prompt_logprobs(self.finals[min(self.finals)].prompt_logprobs or [])
         body["usage"] = _usage(self.finals)
         return body
@@ -638,7 +646,8 @@ class _Answer:
             body = {"text": (self.echo if self.echo is not None and not st.started else "") + out.delta_text}
         first = not st.started
         chunk = self._envelope([self._choice(out, body, out.delta_token_ids, st)], stream=True)
-        if self.chat and self.options.prompt_logprobs and first and index == 0 and out.prompt_logprobs is not None:
+        wanted = self.chat and self.options.prompt_logprobs is not None and out.prompt_logprobs is not None
+        if wanted and first and index == 0:  # vLLM: at the top of a chat answer; its first chunk when streaming
             chunk["prompt_logprobs"] = self.prompt_logprobs(out.prompt_logprobs)
         if self.options.include_usage:
             chunk["usage"] = None  # OpenAI: every chunk has the field; only the last one fills it

@@ -503,13 +503,13 @@ class ModelRunner:
             tokens = np.asarray(step.out.tokens)[:n]
             result = ModelRunnerOutput(step.seqs, tokens)
             if step.want_logprobs:
-                result = ModelRunnerOutput(step.seqs, tokens, np.asarray(step.out.logprobs)[:n],
-                                           np.asarray(step.out.top_ids)[:n], np.asarray(step.out.top_logprobs)[:n])
+                result.logprobs, result.top_ids = np.asarray(step.out.logprobs)[:n], np.asarray(step.out.top_ids)[:n]
+                result.top_logprobs = np.asarray(step.out.top_logprobs)[:n]
             if step.prompt is not None:
                 p = jax.tree.map(np.asarray, step.prompt)
                 result.prompt_logprobs = {
-                    seq: (start, p.logprobs[f:f + n_], p.ranks[f:f + n_], p.top_ids[f:f + n_], p.top_logprobs[f:f + n_])
-                    for seq, start, f, n_ in step.prompt_spans}
+                    seq: (start, *(x[f:f + m] for x in (p.logprobs, p.ranks, p.top_ids, p.top_logprobs)))
+                    for seq, start, f, m in step.prompt_spans}
             return result
         except Exception as e:
             self._reset_state()

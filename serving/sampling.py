@@ -440,13 +440,22 @@ def sample(logits: jax.Array, t: SamplingTensors, max_logprobs: int, history: Pe
     if drafts is not None:
         accept, residual = verify(scaled, keep, is_greedy, greedy_tokens, t, drafts)
 
+    token_logprobs, top_ids, top_logprobs = logprobs_of(raw_logprobs, tokens, max_logprobs)
+    return SampleOutput(tokens, token_logprobs, top_ids, top_logprobs, accept, residual)
+
+
+def logprobs_of(raw_logprobs: jax.Array, tokens: jax.Array, max_logprobs: int
+                ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """From rows of raw log-probabilities [L, V] (`log_softmax` of the fp32 logits): each row's log-probability
+    of `tokens[L]`, and its top `max_logprobs` ids and log-probabilities, descending. Sampled tokens and prompt
+    tokens alike."""
     token_logprobs = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
     if max_logprobs > 0:
         top_logprobs, top_ids = jax.lax.top_k(raw_logprobs, max_logprobs)
     else:
-        top_logprobs = jnp.zeros((L, 0), jnp.float32)
-        top_ids = jnp.zeros((L, 0), jnp.int32)
-    return SampleOutput(tokens, token_logprobs, top_ids.astype(jnp.int32), top_logprobs, accept, residual)
+        top_logprobs = jnp.zeros((raw_logprobs.shape[0], 0), jnp.float32)
+        top_ids = jnp.zeros((raw_logprobs.shape[0], 0), jnp.int32)
+    return token_logprobs, top_ids.astype(jnp.int32), top_logprobs
 
 
 @jax.tree_util.register_dataclass
@@ -465,21 +474,24 @@ def prompt_logprobs(hidden_TD: jax.Array, lm_head_DV: jax.Array, targets_T: jax.
                     chunk: int = 64) -> PromptLogprobs:
     """Prompt logprobs of every token of a step: `hidden_TD` the final-normed hidden states, `targets_T` the next
     prompt token of each (-1: none; its entries are meaningless). The vocabulary-wide logits are made `chunk`
-    tokens at a time (a sequential map), so a step of T tokens never holds [T, V] at once."""
-    T = hidden_TD.shape[0]
-    c = math.gcd(T, chunk)
+    tokens at a time (a sequential map over the tokens padded to a multiple of it), so a step of T tokens never
+    holds [T, V] at once; each chunk's logits are the forward's lm_head einsum, log-softmaxed as `sample` does."""
+    T, D = hidden_TD.shape
+    c = min(chunk, T)
+    pad = -T % c
+    h_NCD = jnp.pad(hidden_TD, ((0, pad), (0, 0))).reshape(-1, c, D)
+    t_NC = jnp.pad(targets_T, (0, pad), constant_values=-1).reshape(-1, c)
 
     def one(args: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, ...]:
-        h, tgt = args
-        logits = jnp.einsum("td,dv->tv", h, lm_head_DV, preferred_element_type=jnp.float32)
-        raw = jax.nn.log_softmax(logits, axis=-1)
-        lp = jnp.take_along_axis(raw, jnp.maximum(tgt, 0)[:, None], axis=-1)[:, 0]
-        rank = 1 + jnp.sum(raw > lp[:, None], axis=-1, dtype=jnp.int32)
-        top_lp, top_ids = jax.lax.top_k(raw, max_logprobs)
-        return lp, rank, top_ids.astype(jnp.int32), top_lp
+        h_CD, t_C = args
+        logits_CV = jnp.einsum("td,dv->tv", h_CD, lm_head_DV, preferred_element_type=jnp.float32)
+        raw_CV = jax.nn.log_softmax(logits_CV, axis=-1)
+        lp, top_ids, top_lp = logprobs_of(raw_CV, jnp.maximum(t_C, 0), max_logprobs)
+        rank = 1 + jnp.sum(raw_CV > lp[:, None], axis=-1, dtype=jnp.int32)
+        return lp, rank, top_ids, top_lp
 
-    out = jax.lax.map(one, (hidden_TD.reshape(T // c, c, -1), targets_T.reshape(T // c, c)))
-    lp, rank, top_ids, top_lp = (x.reshape(T, *x.shape[2:]) for x in out)
+    out = jax.lax.map(one, (h_NCD, t_NC))
+    lp, rank, top_ids, top_lp = (x.reshape(-1, *x.shape[2:])[:T] for x in out)
     return PromptLogprobs(lp, rank, top_ids, top_lp)
 
 

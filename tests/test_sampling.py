@@ -18,6 +18,7 @@ from serving.sampling import (
     PenaltyHistory,
     SamplingTensors,
     apply_penalties,
+    prompt_logprobs,
     record_history,
     sample,
     validate_sampling,
@@ -83,6 +84,28 @@ def test_greedy_is_argmax_and_logprobs_are_raw_log_softmax() -> None:
     np.testing.assert_allclose(out.logprobs, ref[np.arange(N_EMPIRICAL), out.tokens], atol=1e-5)
     np.testing.assert_array_equal(out.top_ids, np.argsort(-logits, axis=-1, kind="stable")[:, :K_LOGPROBS])
     np.testing.assert_allclose(out.top_logprobs, np.sort(ref, -1)[:, ::-1][:, :K_LOGPROBS], atol=1e-5)
+
+
+def test_prompt_logprobs_are_the_lm_heads_raw_log_softmax_in_padded_chunks() -> None:
+    """11 tokens in chunks of 4 (the last padded): each token's target logprob, rank (1 + the tokens strictly
+    more likely) and top ids equal numpy's log-softmax of hidden @ lm_head."""
+    rng = np.random.default_rng(3)
+    hidden = rng.normal(size=(11, 8)).astype(np.float32)
+    lm_head = rng.normal(size=(8, V)).astype(np.float32)
+    targets = rng.integers(0, V, 11).astype(np.int32)
+    targets[[2, 10]] = -1
+    out = jax.jit(prompt_logprobs, static_argnames=("max_logprobs", "chunk"))(
+        hidden, lm_head, targets, max_logprobs=K_LOGPROBS, chunk=4)
+    logits = hidden.astype(np.float64) @ lm_head
+    ref = logits - logits.max(-1, keepdims=True)
+    ref -= np.log(np.exp(ref).sum(-1, keepdims=True))
+    has = targets >= 0
+    want = ref[np.arange(11), np.maximum(targets, 0)]
+    np.testing.assert_allclose(np.asarray(out.logprobs)[has], want[has], rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(out.ranks)[has], 1 + (ref > want[:, None] + 1e-6).sum(-1)[has])
+    np.testing.assert_array_equal(np.asarray(out.top_ids), np.argsort(-ref, axis=-1)[:, :K_LOGPROBS])
+    np.testing.assert_allclose(np.asarray(out.top_logprobs), -np.sort(-ref, axis=-1)[:, :K_LOGPROBS], rtol=1e-5,
+                               atol=1e-5)
 
 
 def test_seeded_sampling_is_reproducible_and_batch_invariant() -> None:

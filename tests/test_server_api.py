@@ -102,9 +102,11 @@ def test_openai_fields_map_to_sampling_params():
     assert (p.n, p.logit_bias, opts.echo, opts.structured_param) == (3, {5: -100.0, 7: 2.5}, True, "response_format")
     # echo with logprobs: the prompt's tokens get logprobs too (at least as many top entries as asked).
     q, q_opts = sampling_params({"echo": True, "logprobs": 2}, chat=False, max_model_len=256)
-    assert (q.prompt_logprobs, q_opts.echo_logprobs, q_opts.prompt_logprobs) == (2, True, False)
+    assert (q.prompt_logprobs, q_opts.echo_logprobs, q_opts.prompt_logprobs) == (2, 2, None)
+    q, q_opts = sampling_params({"echo": True, "logprobs": 1, "prompt_logprobs": 3}, chat=False, max_model_len=256)
+    assert (q.prompt_logprobs, q_opts.echo_logprobs, q_opts.prompt_logprobs) == (3, 1, 3)
     q, q_opts = sampling_params({"prompt_logprobs": 0}, chat=True, max_model_len=256)
-    assert (q.prompt_logprobs, q_opts.prompt_logprobs) == (0, True)
+    assert (q.prompt_logprobs, q_opts.echo_logprobs, q_opts.prompt_logprobs) == (0, None, 0)
     assert p.structured_outputs.json_object
     for body, param, kind in (({"guided_json": {"type": "object"}}, "guided_json", "json"),
                               ({"guided_regex": "a+"}, "guided_regex", "regex"),

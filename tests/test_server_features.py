@@ -446,6 +446,17 @@ def test_prompt_logprobs_on_both_endpoints_and_grpc(server, tok):
                                           max_tokens=2, temperature=0, extra_body={"prompt_logprobs": 0})
     chat_prompt = chat.model_extra["prompt_logprobs"]
     assert chat_prompt[0] is None and all(len(e) == 1 for e in chat_prompt[1:])
+    chat_chunks = list(client.chat.completions.create(
+        model=server.model, messages=[{"role": "user", "content": "hi"}], max_tokens=2, temperature=0, stream=True,
+        extra_body={"prompt_logprobs": 0}))
+    with_plp = [c for c in chat_chunks if (c.model_extra or {}).get("prompt_logprobs")]
+    assert len(with_plp) == 1 and with_plp[0].model_extra["prompt_logprobs"] == chat_prompt
+
+    # Both at once: each keeps its own number of top entries (the engine computes the larger).
+    both = client.completions.create(model=server.model, prompt=prompt, max_tokens=1, temperature=0, echo=True,
+                                     logprobs=1, extra_body={"prompt_logprobs": 3})
+    assert all(len(t) == 1 for t in both.choices[0].logprobs.top_logprobs[1:])
+    assert all(sum(v["rank"] <= 3 for v in e.values()) == 3 for e in both.choices[0].prompt_logprobs[1:])
 
     msgs = _collect_grpc(server, pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=pb.SamplingParams(
         max_tokens=3, temperature=0, prompt_logprobs=2)))

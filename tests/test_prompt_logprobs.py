@@ -80,3 +80,22 @@ def test_refused_without_the_flag_and_with_speculation():
         spec.prepare([1, 2, 3], SamplingParams(prompt_logprobs=1))
     with pytest.raises(ValueError, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=-1).validate()
+
+
+def test_prompt_logprobs_under_tensor_parallelism(llm):
+    """Under TP4 the lm_head is split over the vocabulary: the log-softmax and top-k over its shards give the
+    values of one device."""
+    import jax
+
+    if len(jax.devices()) < 4:
+        pytest.skip("needs XLA_FLAGS=--xla_force_host_platform_device_count=4")
+    prompt = _prompts(1, seed=13)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=3)
+    one = llm.generate([prompt], params, use_tqdm=False)[0]
+    with LLM(**SETTINGS, enable_prompt_logprobs=True, tensor_parallel_size=4, warmup=False) as tp4:
+        four = tp4.generate([prompt], params, use_tqdm=False)[0]
+    assert four.outputs[0].token_ids == one.outputs[0].token_ids
+    np.testing.assert_allclose([e.logprob for e in four.prompt_logprobs[1:]],
+                               [e.logprob for e in one.prompt_logprobs[1:]], rtol=1e-5, atol=1e-5)
+    assert [e.rank for e in four.prompt_logprobs[1:]] == [e.rank for e in one.prompt_logprobs[1:]]
+    assert [list(e.top) for e in four.prompt_logprobs[1:]] == [list(e.top) for e in one.prompt_logprobs[1:]]

@@ -5,9 +5,16 @@
 #   step      the engine's decode step alone (engine / bare)
 #   smoke     engine sizes that are not powers of two
 #   spec      a speculative step's cost against a plain decode step, and the projected speed-up (issue 24)
+#   slice     the m3-slice decode step at batch 1 / 32 / 128 against its HBM floor (issue 23)
+#   projection  one GPU of a TP8 / EP8 deployment with MXFP8 experts, the small-M linears, the projection (issue 23)
+#   structured  grammar masks at batch 64 on this host's CPUs (issue 25; llguidance has no wheel for the GPU
+#             machine in the registry here: copy the dev venv's `llguidance` package folder into an ignored
+#             `.pylib/` and carry it)
+# Wheels the GPU machine lacks (grpcio >= 1.85, protobuf 7, aiohttp and its dependencies, prometheus_client) go
+# in an ignored `.whl/` carried with the call (`pip download --no-deps --only-binary=:all: ...`, ../shared/gpu.md).
 set -x
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1 M3JAX_NO_PROGRESS=1
+export PYTHONPATH=/tmp/site:.:.pylib PYTHONUNBUFFERED=1 M3JAX_NO_PROGRESS=1
 nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv
 for what in "$@"; do
   case "$what" in
@@ -29,6 +36,18 @@ for what in "$@"; do
     spec)
       timeout "${SPEC_TIMEOUT:-240}" python3 benchmarks/bench_spec.py --batches 1 8 32 64 --ks 1 3 \
         --context 2048 --out "$OUT/spec-h200.json"
+      ;;
+    slice)
+      timeout "${SLICE_TIMEOUT:-150}" python3 benchmarks/bench_slice_decode.py --batches 1 32 128 \
+        --out "$OUT/slice-decode-h200.json"
+      ;;
+    projection)
+      timeout "${PROJECTION_TIMEOUT:-400}" python3 benchmarks/bench_projection.py --deployments tp8 ep8 \
+        --formats mxfp8 --linear-tp 1 8 --out "$OUT/projection-h200.json"
+      ;;
+    structured)
+      timeout "${STRUCTURED_TIMEOUT:-150}" python3 benchmarks/bench_structured.py --batch 64 \
+        --out "$OUT/structured-mask-h200.json"
       ;;
     *) echo "unknown case $what"; exit 2 ;;
   esac

@@ -511,12 +511,22 @@ class _Answer:
                 "top_logprobs": [{"token": tok(t), "logprob": v, "bytes": list(tok(t).encode())}
                                  for t, v in e.top.items()],
             } for e in entries]}
+        return self._legacy_logprobs(st, [e.token_id for e in entries], entries)
+
+    def _legacy_logprobs(self, st: _Choice, token_ids: list[int], entries: list[Logprob | None],
+                         k: int | None = None) -> dict[str, Any]:
+        """Completions' logprobs arrays for these tokens (an entry None: a token with no logprob, the echoed
+        prompt's first), at most `k` top entries each; text offsets continue the choice's."""
+        tok = self.server.token_str
         offsets = []
-        for e in entries:
+        for t in token_ids:
             offsets.append(st.text_offset)
-            st.text_offset += len(tok(e.token_id))
-        return {"tokens": [tok(e.token_id) for e in entries], "token_logprobs": [e.logprob for e in entries],
-                "top_logprobs": [{tok(t): v for t, v in e.top.items()} for e in entries], "text_offset": offsets}
+            st.text_offset += len(tok(t))
+        return {"tokens": [tok(t) for t in token_ids],
+                "token_logprobs": [None if e is None else e.logprob for e in entries],
+                "top_logprobs": [None if e is None else {tok(t): v for t, v in list(e.top.items())[:k]}
+                                 for e in entries],
+                "text_offset": offsets}
 
     def prompt_logprobs(self, entries: list[Logprob | None]) -> list[dict[str, Any] | None]:
         """vLLM's `prompt_logprobs`: per prompt token (None for the first) its id -> logprob, rank and text, with
@@ -535,20 +545,6 @@ class _Answer:
             out.append(d)
         return out
 
-    def _echo_logprobs(self, st: _Choice, prompt_ids: list[int], entries: list[Logprob | None]) -> dict[str, Any]:
-        """The legacy completions logprobs of the echoed prompt (its first token has none, as OpenAI's)."""
-        tok = self.server.token_str
-        k = self.options.echo_logprobs
-        offsets = []
-        for t in prompt_ids:
-            offsets.append(st.text_offset)
-            st.text_offset += len(tok(t))
-        return {"tokens": [tok(t) for t in prompt_ids],
-                "token_logprobs": [None if e is None else e.logprob for e in entries],
-                "top_logprobs": [None if e is None else {tok(t): v for t, v in list(e.top.items())[:k]}
-                                 for e in entries],
-                "text_offset": offsets}
-
     def _choice(self, out: RequestOutput, body: dict[str, Any], token_ids: list[int], st: _Choice
                 ) -> dict[str, Any]:
         """The choice object around `body` (its message, delta or text)."""
@@ -559,7 +555,8 @@ class _Answer:
         echoed = None
         prompt_entries = out.prompt_logprobs if not st.started else None  # a choice's first object has them
         if self.options.echo_logprobs is not None and prompt_entries is not None:
-            echoed = self._echo_logprobs(st, out.prompt_token_ids, prompt_entries)
+            # The legacy completions logprobs of the echoed prompt (its first token has none, as OpenAI's).
+            echoed = self._legacy_logprobs(st, out.prompt_token_ids, prompt_entries, self.options.echo_logprobs)
         choice["logprobs"] = self._logprobs(st, entries) if entries is not None else None
         if echoed is not None:
             choice["logprobs"] = {k: echoed[k] + (choice["logprobs"] or {}).get(k, []) for k in echoed}

@@ -353,13 +353,12 @@ class ModelRunner:
         return num_tokens, (batch, prev_index, history_rows), sampling, [i for i in sample_index if i >= 0]
 
     def prompt_targets(self, scheduled: SchedulerOutput, batch: Batch, num_tokens: int
-                       ) -> tuple[np.ndarray, list[tuple[int, int, int, int]]]:
+                       ) -> tuple[np.ndarray | None, list[tuple[int, int, int, int]]]:
         """For the rows of requests that asked for prompt logprobs: each prompt token's next prompt token as its
-        target (i32[num_tokens], -1 elsewhere), and their spans (InFlight.prompt_spans). No spans: none asked."""
-        targets = np.full(num_tokens, -1, np.int32)
-        spans = []
+        target (i32[num_tokens], -1 elsewhere), and their spans (InFlight.prompt_spans). (None, []): none asked."""
         if not self.enable_prompt_logprobs:
-            return targets, spans
+            return None, []
+        targets, spans = None, []
         for i, r in enumerate(scheduled.rows):
             if getattr(r.sampling, "prompt_logprobs", None) is None:
                 continue
@@ -372,6 +371,8 @@ class ModelRunner:
             following = list(r.token_ids[1:n + 1])
             if len(following) < n:  # the chunk's last token: its next prompt token is the next chunk's first
                 following.append(r.next_token)
+            if targets is None:
+                targets = np.full(num_tokens, -1, np.int32)
             targets[flat:flat + n] = following
             spans.append((r.seq, r.start, flat, n))
         return targets, spans

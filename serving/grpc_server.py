@@ -29,7 +29,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from serving.outputs import RequestOutput, SamplingParams
+from serving.outputs import Logprob, RequestOutput, SamplingParams
 from serving.proto import m3jax_pb2 as pb
 from serving.proto import m3jax_pb2_grpc as pb_grpc
 from serving.server import (
@@ -234,6 +234,11 @@ class M3JaxServicer(pb_grpc.M3JaxServicer):
         return pb.ModelInfoResponse(**self.core.model_info())
 
 
+def _token_logprob(lp: Logprob) -> pb.TokenLogprob:
+    return pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, rank=lp.rank or 0,
+                           top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top.items()])
+
+
 class _Answer:
     """The GenerateResponses of one request: per choice, what has been sent and its message parser."""
 
@@ -271,15 +276,9 @@ class _Answer:
             msg.text = out.delta_text
         if out.prompt_logprobs is not None and not self.sent_prompt_logprobs:
             self.sent_prompt_logprobs = True
-            for lp in out.prompt_logprobs[1:]:
-                msg.prompt_logprobs.append(pb.TokenLogprob(
-                    token_id=lp.token_id, logprob=lp.logprob, rank=lp.rank or 0,
-                    top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top.items()]))
+            msg.prompt_logprobs.extend(_token_logprob(lp) for lp in out.prompt_logprobs[1:])
         sent = self.sent_logprobs.get(c.index, 0)
-        for lp in (c.logprobs or [])[sent:]:
-            msg.logprobs.append(pb.TokenLogprob(
-                token_id=lp.token_id, logprob=lp.logprob,
-                top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top.items()]))
+        msg.logprobs.extend(_token_logprob(lp) for lp in (c.logprobs or [])[sent:])
         self.sent_logprobs[c.index] = len(c.logprobs or ())
         if out.finished:
             reason, stop = c.finish_reason, c.stop_reason

@@ -8,6 +8,7 @@ experts a batch of B tokens touches in expectation under uniform routing, the sh
 and the K/V/index-K each query reads) over the HBM bandwidth. Per-layer time = (step - lm_head) / layers.
 
     PYTHONPATH=. python benchmarks/bench_slice_decode.py [--batches 1 32 128] [--context 4096] [--moe-format mxfp8]
+        [--prefill-lens 1024]   (also one request's whole prompt in one step: the bare prefill)
 """
 
 from __future__ import annotations
@@ -77,6 +78,9 @@ def main() -> None:
     ap.add_argument("--hbm-tbps", type=float, default=4.3)
     ap.add_argument("--moe-format", default="bf16", choices=tuple(EXPERT_BYTES),
                     help="the expert weights' format, prepared at load time as a checkpoint in it would be")
+    ap.add_argument("--prefill-lens", type=int, nargs="*", default=[],
+                    help="also time one request's whole prompt of each length in one step (the bare prefill "
+                         "behind a served request's time to first token)")
     ap.add_argument("--out", default="benchmarks/results/slice-decode-h200.json")
     args = ap.parse_args()
 
@@ -149,9 +153,32 @@ def main() -> None:
                     "per_layer_busy_ratio": (prof["device_busy_s"] - head_busy) / cfg.num_layers / layer_floor}
                    if "device_busy_s" in prof else {})}
 
+    def measure_prefill(n: int) -> dict:
+        """One request's n-token prompt as a single step from position 0 (fresh pages), its last token sampled."""
+        width = -(-(n + 2) // ps)
+        kv = model.new_pages(1 + width)
+        tokens = np.random.default_rng(n).integers(0, cfg.vocab_size, n).tolist()
+        batch, _ = build_batch([RowPlan(tokens, 0, range(1, 1 + width))], ps, n, 1, width)
+        state = {"kv": kv}
+
+        def run() -> None:
+            out = model.step(state["kv"], batch)
+            state["kv"] = out.kv
+            jax.block_until_ready(out.logits)
+
+        t = time.perf_counter()
+        run()
+        compile_s = time.perf_counter() - t
+        return {"op": "m3_slice_prefill", "shape": {"tokens": n, "layers": cfg.num_layers},
+                "moe_format": args.moe_format, "time_s": timeit(run), "compile_s": compile_s,
+                "device": jax.devices()[0].device_kind, "git_rev": rev, "jax": jax.__version__}
+
     results = []
     for B in args.batches:
         results.append(measure(B))
+        print(json.dumps(results[-1]), flush=True)
+    for n in args.prefill_lens:
+        results.append(measure_prefill(n))
         print(json.dumps(results[-1]), flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2) + "\n")

@@ -7,6 +7,8 @@
 #   spec      a speculative step's cost against a plain decode step, and the projected speed-up (issue 24)
 #   slice     the m3-slice decode step at batch 1 / 32 / 128 against its HBM floor (issue 23)
 #   projection  one GPU of a TP8 / EP8 deployment with MXFP8 experts, the small-M linears, the projection (issue 23)
+#   serve     the benchmark contract through `m3jax serve` + `m3jax bench serve`, with the bare step beside it
+#             (issue 27; SERVE_FORMAT=bf16|mxfp8, prompt counts reduced to fit one call)
 #   structured  grammar masks at batch 64 on this host's CPUs (issue 25; llguidance has no wheel for the GPU
 #             machine in the registry here: copy the dev venv's `llguidance` package folder into an ignored
 #             `.pylib/` and carry it)
@@ -44,6 +46,14 @@ for what in "$@"; do
     projection)
       timeout "${PROJECTION_TIMEOUT:-400}" python3 benchmarks/bench_projection.py --deployments tp8 ep8 \
         --formats mxfp8 --linear-tp 1 8 --out "$OUT/projection-h200.json"
+      ;;
+    serve)
+      # A call returns at most 8 files: the per-level JSON, the server log and the bare step travel as one tarball.
+      fmt="${SERVE_FORMAT:-bf16}"
+      timeout "${SERVE_TIMEOUT:-560}" python3 benchmarks/bench_serve_gpu.py --moe-format "$fmt" \
+        --sweep 1024x1024:1,8,32,64,128 --sweep 8192x1024:8,32 --prompts-per-concurrency 2 \
+        --warmups-per-concurrency 0.25 --result-dir "/tmp/serve-$fmt" --out "$OUT/serve-h200-$fmt.json"
+      tar czf "$OUT/serve-$fmt.tgz" -C /tmp "serve-$fmt"
       ;;
     structured)
       timeout "${STRUCTURED_TIMEOUT:-150}" python3 benchmarks/bench_structured.py --batch 64 \

@@ -4,13 +4,14 @@ serve` contract) against our server or any OpenAI-compatible one.
     m3jax bench serve --base-url http://127.0.0.1:8000 --input-len 1024 --output-len 1024 --concurrency 1,4,8
 
 Per concurrency level: 2 x concurrency warm-up requests (not counted), then `--num-prompts` (default
-10 x concurrency) requests kept `concurrency` at a time in flight, each streamed over SSE from /v1/completions (or
-/v1/chat/completions) with ignore_eos so that it produces its full output length. Lengths are drawn uniformly in
-[range_ratio x L, L]. Prompts are random token ids when the server is ours (it says so in /v1/models and reports
-its vocabulary) and random words otherwise, where the prompt length is then approximate (the usage the server
-reports is what counts).
+10 x concurrency; both multiples can be lowered to fit a time budget) requests kept `concurrency` at a time in
+flight, each streamed over SSE from /v1/completions (or /v1/chat/completions) with ignore_eos so that it produces
+its full output length. Lengths are drawn uniformly in [range_ratio x L, L]. Prompts are random token ids when the
+server is ours (it says so in /v1/models and reports its vocabulary) and random words otherwise, where the prompt
+length is then approximate (the usage the server reports is what counts).
 
-Each level is saved as JSON (config, git revision, device, metrics) in `--result-dir`, and the sweep is plotted
+Each level is saved as JSON (config, git revision, device, metrics; against our server also
+the engine's mean decode step over the level, from its /metrics) in `--result-dir`, and the sweep is plotted
 as output tok/s/GPU against interactivity (1000 / median TPOT in ms, i.e. tok/s per user).
 """
 
@@ -192,8 +193,9 @@ class Client:
 
 
 async def _run_level(client: Client, workload: Workload, warmup: Workload, concurrency: int) -> tuple[
-        list[RequestResult], float, list[RequestResult], float | None]:
-    """(results, seconds, warm-up results, the server's mean acceptance length over the measured requests)."""
+        list[RequestResult], float, list[RequestResult], tuple | None, tuple | None]:
+    """(results, seconds, warm-up results, and the server's SPEC_COUNTERS + DECODE_COUNTERS before and after the
+    measured requests: None where it exports none)."""
     import aiohttp
 
     timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
@@ -209,17 +211,24 @@ async def _run_level(client: Client, workload: Workload, warmup: Workload, concu
             return list(await asyncio.gather(*(one(i) for i in range(len(w.prompts)))))
 
         warm = await run(warmup)
-        before = await asyncio.to_thread(spec_counters, client.base_url, client.api_key)
+        names = SPEC_COUNTERS + DECODE_COUNTERS
+        before = await asyncio.to_thread(server_counters, client.base_url, client.api_key, names)
         t0 = time.perf_counter()
         results = await run(workload)
         duration = time.perf_counter() - t0
-        after = await asyncio.to_thread(spec_counters, client.base_url, client.api_key)
-        return results, duration, warm, acceptance_length(before, after)
+        after = await asyncio.to_thread(server_counters, client.base_url, client.api_key, names)
+        return results, duration, warm, before, after
 
 
-def spec_counters(base_url: str, api_key: str | None) -> tuple[float, float] | None:
-    """(draft verifications, accepted draft tokens) so far, from the server's /metrics under vLLM's names; None
-    when it does not speculate (or has no /metrics)."""
+SPEC_COUNTERS = ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_accepted_tokens_total")
+# Our server's decode-only steps (serving/core.py): count, summed periods in seconds, summed rows.
+DECODE_COUNTERS = ("m3jax_engine_decode_steps_total", "m3jax_engine_decode_step_seconds_total",
+                   "m3jax_engine_decode_step_rows_total")
+
+
+def server_counters(base_url: str, api_key: str | None, names: tuple[str, ...]) -> tuple[float, ...] | None:
+    """The named counters from the server's /metrics, each summed over its label sets; None when the server
+    exports none of them (or has no /metrics)."""
     import urllib.request
 
     req = urllib.request.Request(base_url.rstrip("/") + "/metrics",
@@ -229,18 +238,27 @@ def spec_counters(base_url: str, api_key: str | None) -> tuple[float, float] | N
             text = resp.read().decode()
     except (OSError, ValueError):
         return None
-    totals = {"vllm:spec_decode_num_drafts_total": 0.0, "vllm:spec_decode_num_accepted_tokens_total": 0.0}
+    totals = dict.fromkeys(names, 0.0)
     seen = False
     for line in text.splitlines():
         name = line.split("{", 1)[0].split(" ", 1)[0]
         if name in totals:
             totals[name] += float(line.rsplit(" ", 1)[1])
             seen = True
-    return tuple(totals.values()) if seen else None  # type: ignore[return-value]
+    return tuple(totals.values()) if seen else None
 
 
-def acceptance_length(before: tuple[float, float] | None, after: tuple[float, float] | None) -> float | None:
-    """Mean tokens a verification emits (1 + accepted drafts), between two `spec_counters` readings."""
+def decode_step(before: tuple[float, ...] | None, after: tuple[float, ...] | None) -> tuple[float, float] | None:
+    """(mean decode step in seconds, mean rows per decode step) between two DECODE_COUNTERS readings; None when
+    the server does not report them or ran no back-to-back decode step."""
+    if before is None or after is None or after[0] <= before[0]:
+        return None
+    steps = after[0] - before[0]
+    return (after[1] - before[1]) / steps, (after[2] - before[2]) / steps
+
+
+def acceptance_length(before: tuple[float, ...] | None, after: tuple[float, ...] | None) -> float | None:
+    """Mean tokens a verification emits (1 + accepted drafts), between two SPEC_COUNTERS readings."""
     if before is None or after is None or after[0] <= before[0]:
         return None
     return 1.0 + (after[1] - before[1]) / (after[0] - before[0])
@@ -304,7 +322,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--range-ratio", type=float, default=0.8,
                    help="lengths are drawn uniformly in [ratio x len, len] (the contract uses 0.8)")
     p.add_argument("--concurrency", default="1,4,8", help="comma-separated levels")
-    p.add_argument("--num-prompts", type=int, default=None, help="per level (default 10 x concurrency)")
+    p.add_argument("--num-prompts", type=int, default=None,
+                   help="per level (default: --prompts-per-concurrency x concurrency)")
+    p.add_argument("--prompts-per-concurrency", type=float, default=10.0,
+                   help="the contract's 10; fewer to fit a time budget (say so with the figures)")
+    p.add_argument("--warmups-per-concurrency", type=float, default=2.0,
+                   help="warm-up requests per level, in multiples of the concurrency (the contract's 2)")
     p.add_argument("--num-gpus", type=int, default=1, help="GPUs the server uses, for per-GPU figures")
     p.add_argument("--prompt-format", choices=["auto", "ids", "text"], default="auto",
                    help="auto: token ids for an m3jax server (exact lengths), random words otherwise")
@@ -355,20 +378,27 @@ def run(args: argparse.Namespace) -> int:
 
     runs = []
     for c in levels:
-        n = args.num_prompts or 10 * c
+        n = args.num_prompts or max(1, round(args.prompts_per_concurrency * c))
+        n_warm = max(1, round(args.warmups_per_concurrency * c))
         vocab_arg = vocab if fmt == "ids" else None
         workload = make_workload(n, args.input_len, args.output_len, args.range_ratio, args.seed + c, vocab_arg,
                                  avoid)
-        warmup = make_workload(2 * c, args.input_len, args.output_len, args.range_ratio, args.seed + 10**6 + c,
+        warmup = make_workload(n_warm, args.input_len, args.output_len, args.range_ratio, args.seed + 10**6 + c,
                                vocab_arg, avoid)
-        results, duration, warm, accept = asyncio.run(_run_level(client, workload, warmup, c))
+        results, duration, warm, before, after = asyncio.run(_run_level(client, workload, warmup, c))
         metrics = compute_metrics(results, duration, args.num_gpus)
+        spec = len(SPEC_COUNTERS)
+        accept = acceptance_length(before and before[:spec], after and after[:spec])
         metrics["spec_acceptance_length"] = accept  # None: the server does not speculate
+        decode = decode_step(before and before[spec:], after and after[spec:])
+        # The engine's own mean decode step over the level (None: a server that does not report it).
+        metrics["engine_decode_step_ms"] = decode[0] * 1e3 if decode else None
+        metrics["engine_decode_rows_mean"] = decode[1] if decode else None
         errors = [r.error for r in results + warm if not r.ok][:5]
         record = {
             "config": {"base_url": args.base_url, "model": model, "endpoint": args.endpoint,
                        "input_len": args.input_len, "output_len": args.output_len, "range_ratio": args.range_ratio,
-                       "concurrency": c, "num_prompts": n, "num_warmups": 2 * c, "num_gpus": args.num_gpus,
+                       "concurrency": c, "num_prompts": n, "num_warmups": n_warm, "num_gpus": args.num_gpus,
                        "prompt_format": fmt, "temperature": args.temperature, "ignore_eos": True, "seed": args.seed},
             "git_revision": revision,
             "device": device,
@@ -384,7 +414,9 @@ def run(args: argparse.Namespace) -> int:
               f"out tok/s/GPU={metrics['output_throughput_per_gpu']:.1f} TTFT med={metrics['median_ttft_ms']:.1f}ms "
               f"TPOT med={metrics['median_tpot_ms']:.2f}ms ITL p99={metrics['p99_itl_ms']:.2f}ms "
               f"interactivity={metrics['interactivity']:.1f}"
-              + (f" acceptance length={accept:.2f}" if accept is not None else "") + f" -> {path}", flush=True)
+              + (f" acceptance length={accept:.2f}" if accept is not None else "")
+              + (f" engine decode step={decode[0] * 1e3:.2f}ms at {decode[1]:.1f} rows" if decode else "")
+              + f" -> {path}", flush=True)
         for e in errors:
             print(f"[bench]   error: {e}", file=sys.stderr)
     if not args.no_plot:

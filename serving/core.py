@@ -152,6 +152,10 @@ class EngineCore:
         self.warmup_seconds = self.runner.warmup(settings.show_progress()) if settings.warmup else 0.0
         self.stats: collections.Counter[str] = collections.Counter()
         self.last_step_seconds = 0.0
+        # (launch time, rows, decode launches in a row) of the last decode-only step while the loop stays busy:
+        # the period between two such launches is the engine's decode step as a user sees it (host work, dispatch
+        # and device time together).
+        self._last_decode: tuple[float, int, int] | None = None
         self._rng = random.Random(settings.seed)
         self._grammars: Any = None  # serving.structured.Grammars, made when a request first asks for one
         self._grammars_lock = threading.Lock()
@@ -307,6 +311,7 @@ class EngineCore:
         self._owner = threading.get_ident()
         while not self._stop:
             if not self.has_work():
+                self._last_decode = None  # an idle gap is no step
                 self._wake.wait(0.05)
                 self._wake.clear()
                 continue
@@ -412,8 +417,25 @@ class EngineCore:
             return None
         self.stats["steps"] += 1
         self.stats["step_tokens"] += scheduled.num_tokens
-        self.last_step_seconds = time.perf_counter() - t0
+        now = time.perf_counter()
+        self.last_step_seconds = now - t0
+        self._count_decode_period(scheduled, now)
         return step
+
+    def _count_decode_period(self, scheduled: SchedulerOutput, now: float) -> None:
+        """Decode-only steps (one token per row) launched back to back: stats `decode_steps`, `decode_step_us`
+        (their summed periods) and `decode_step_rows`, from which the servers report the mean decode step.
+        A period counts once the two launches before this one were decode steps: with async scheduling a launch
+        waits for the step before the previous one, which must not be a prefill."""
+        decode = scheduled.num_tokens == len(scheduled.rows)
+        run = 0
+        if decode and self._last_decode is not None:
+            since, rows, run = self._last_decode
+            if run >= 2 or not self.async_scheduling:
+                self.stats["decode_steps"] += 1
+                self.stats["decode_step_us"] += int((now - since) * 1e6)
+                self.stats["decode_step_rows"] += rows
+        self._last_decode = (now, len(scheduled.rows), run + 1) if decode else None
 
     def _complete(self, step: InFlight, outputs: list[RequestOutput]) -> None:
         try:

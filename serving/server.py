@@ -433,6 +433,13 @@ class ServingCore:
             Reading("counter", "m3jax_engine_steps", "Engine steps run", lambda: stats.get("steps", 0)),
             Reading("counter", "m3jax_engine_step_tokens", "Tokens through the model",
                     lambda: stats.get("step_tokens", 0)),
+            Reading("counter", "m3jax_engine_decode_steps", "Decode-only steps launched right after another",
+                    lambda: stats.get("decode_steps", 0)),
+            Reading("counter", "m3jax_engine_decode_step_seconds", "Time between those steps' launches (the decode "
+                    "step as the engine runs it: host work, dispatch and device)",
+                    lambda: stats.get("decode_step_us", 0) / 1e6),
+            Reading("counter", "m3jax_engine_decode_step_rows", "Requests in those steps (their mean batch size)",
+                    lambda: stats.get("decode_step_rows", 0)),
             Reading("counter", "m3jax_preemptions", "Requests preempted (recomputed later)",
                     lambda: stats.get("preemptions", 0)),
             Reading("counter", "m3jax_prefix_cache_queries", "Tokens looked up in the prefix cache at admission",

@@ -1,0 +1,161 @@
+"""The benchmark contract (../shared/benchmark-contract.md) served end to end on one GPU: `m3jax serve` in a
+subprocess, `m3jax bench serve` against it from the same machine, then the bare model's decode step at the same
+batches and its prefill of one prompt (`bench_slice_decode.py`), so that the served figures sit beside the step
+the engine could reach.
+
+Writes one record per (lengths, concurrency) in the issue's format to `--out` (a JSON list):
+`op: "serve"`, moe_format, isl, osl, concurrency, num_prompts, output/total tok/s per GPU, TTFT and TPOT medians,
+`engine_step_s` (the server's own mean decode step over the level, from its /metrics), `bare_step_s` (the bare
+decode step at the level's mean decode batch, interpolated between the measured batches), their ratio, and at
+concurrency 1 `ttft_over_bare_prefill`. The per-level `m3jax bench serve` JSON and the PNG land beside it.
+
+    PYTHONPATH=. python benchmarks/bench_serve_gpu.py --moe-format bf16 \\
+        --sweep 1024x1024:1,8,32,64,128 --sweep 8192x1024:8,32 --prompts-per-concurrency 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def parse_sweep(text: str) -> tuple[int, int, list[int]]:
+    """'1024x1024:1,8,32' -> (1024, 1024, [1, 8, 32])."""
+    lengths, _, levels = text.partition(":")
+    isl, _, osl = lengths.partition("x")
+    return int(isl), int(osl), [int(c) for c in levels.split(",") if c]
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> float:
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode} before it was ready")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                if r.status == 200:
+                    return time.perf_counter() - t0
+        except OSError:
+            pass
+        time.sleep(1.0)
+    raise TimeoutError(f"the server was not ready within {timeout:.0f} s")
+
+
+def bare_at(bare: dict[int, float], rows: float) -> float:
+    """The bare decode step at a (fractional) mean batch, linear between the measured batches."""
+    xs = sorted(bare)
+    return float(np.interp(rows, xs, [bare[x] for x in xs]))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="m3-slice")
+    ap.add_argument("--moe-format", default="bf16", choices=("bf16", "mxfp8", "mxfp4"))
+    ap.add_argument("--sweep", action="append", default=None, help="ISLxOSL:c1,c2,... (repeatable)")
+    ap.add_argument("--prompts-per-concurrency", type=float, default=10.0)
+    ap.add_argument("--warmups-per-concurrency", type=float, default=2.0)
+    ap.add_argument("--max-num-seqs", type=int, default=128)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--port", type=int, default=18000)
+    ap.add_argument("--ready-timeout", type=float, default=300.0)
+    ap.add_argument("--server-args", default="", help="more `m3jax serve` flags, space separated")
+    ap.add_argument("--result-dir", default="benchmarks/results")
+    ap.add_argument("--out", default=None, help="default: <result-dir>/serve-h200-<moe-format>.json")
+    args = ap.parse_args()
+    sweeps = [parse_sweep(s) for s in (args.sweep or ["1024x1024:1,8,32,64,128", "8192x1024:8,32"])]
+    max_len = max(isl + osl for isl, osl, _ in sweeps) + 128
+    result_dir = Path(args.result_dir)
+    result_dir.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+
+    url = f"http://127.0.0.1:{args.port}"
+    server_cmd = [sys.executable, "-m", "m3jax", "serve", "--model", args.model, "--moe-weight-format",
+                  args.moe_format, "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens",
+                  str(args.max_num_batched_tokens), "--max-model-len", str(max_len), "--host", "127.0.0.1",
+                  "--http-port", str(args.port), "--grpc-port", str(args.port + 1), "--no-progress",
+                  *args.server_args.split()]
+    log_path = result_dir / f"serve-h200-{args.moe_format}-server.log"
+    print("[serve-gpu] " + " ".join(server_cmd), flush=True)
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(server_cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            ready_s = wait_ready(url, proc, args.ready_timeout)
+            print(f"[serve-gpu] ready in {ready_s:.1f} s", flush=True)
+            tags = []
+            for isl, osl, levels in sweeps:
+                tag = f"serve-h200-{args.moe_format}-{isl}x{osl}"
+                tags.append((isl, osl, levels, tag))
+                cmd = [sys.executable, "-m", "m3jax", "bench", "serve", "--base-url", url, "--input-len", str(isl),
+                       "--output-len", str(osl), "--concurrency", ",".join(map(str, levels)),
+                       "--prompts-per-concurrency", str(args.prompts_per_concurrency),
+                       "--warmups-per-concurrency", str(args.warmups_per_concurrency),
+                       "--result-dir", str(result_dir), "--tag", tag,
+                       *([] if importlib.util.find_spec("matplotlib") else ["--no-plot"])]
+                subprocess.run(cmd, cwd=REPO, env=env, check=False)
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+    # The bare step at the decode batches the levels ran, at the 1k sweep's mean context, and the bare prefill.
+    served = []
+    for isl, osl, levels, tag in tags:
+        for c in levels:
+            path = result_dir / f"{tag}-c{c}.json"
+            if path.exists():
+                served.append((isl, osl, c, json.loads(path.read_text())))
+    batches = sorted({1, *[c for *_, c, _ in served]})
+    bare_path = result_dir / f"serve-h200-{args.moe_format}-bare.json"
+    context = int(0.9 * sweeps[0][0] + sweeps[0][1] / 2)  # mean prompt (range 0.8-1.0) plus half the output
+    prefill_len = int(0.9 * sweeps[0][0])  # the median prompt of the first sweep
+    bare_cmd = [sys.executable, "benchmarks/bench_slice_decode.py", "--preset", args.model, "--batches",
+                *map(str, batches), "--context", str(context), "--moe-format", args.moe_format,
+                "--prefill-lens", str(prefill_len), "--out", str(bare_path)]
+    subprocess.run(bare_cmd, cwd=REPO, env=env, check=True)
+    bare_records = json.loads(bare_path.read_text())
+    bare = {r["shape"]["batch"]: r["time_s"] for r in bare_records if r["op"] == "m3_slice_decode_step"}
+    prefill = {r["shape"]["tokens"]: r["time_s"] for r in bare_records if r["op"] == "m3_slice_prefill"}
+
+    records = []
+    for isl, osl, c, rec in served:
+        m = rec["metrics"]
+        engine_s = m["engine_decode_step_ms"] / 1e3 if m.get("engine_decode_step_ms") else None
+        rows = m.get("engine_decode_rows_mean") or c
+        bare_s = bare_at(bare, rows)
+        out = {"op": "serve", "moe_format": args.moe_format, "isl": isl, "osl": osl, "concurrency": c,
+               "num_prompts": rec["config"]["num_prompts"], "num_warmups": rec["config"]["num_warmups"],
+               "output_tok_s_per_gpu": m["output_throughput_per_gpu"],
+               "total_tok_s_per_gpu": m["total_token_throughput_per_gpu"],
+               "ttft_median_s": m["median_ttft_ms"] / 1e3, "tpot_median_s": m["median_tpot_ms"] / 1e3,
+               "itl_median_s": m["median_itl_ms"] / 1e3, "e2e_median_s": m["median_e2el_ms"] / 1e3,
+               "ttft_p99_s": m["p99_ttft_ms"] / 1e3, "tpot_p99_s": m["p99_tpot_ms"] / 1e3,
+               "engine_step_s": engine_s, "engine_decode_rows_mean": rows, "bare_step_s": bare_s,
+               "bare_context": context, "engine_step_ratio": engine_s / bare_s if engine_s else None,
+               "failed": m["failed"], "device": rec["device"], "git_rev": os.environ.get("M3JAX_GIT_REV")
+               or rec.get("git_revision"), "server_ready_s": ready_s}
+        if c == 1 and int(0.9 * isl) in prefill:
+            out["bare_prefill_s"] = prefill[int(0.9 * isl)]
+            out["ttft_over_bare_prefill"] = out["ttft_median_s"] / out["bare_prefill_s"]
+        records.append(out)
+        print(json.dumps(out), flush=True)
+    dest = Path(args.out or result_dir / f"serve-h200-{args.moe_format}.json")
+    dest.write_text(json.dumps(records, indent=2) + "\n")
+    print(f"[serve-gpu] {len(records)} records -> {dest}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -9,6 +9,8 @@
 #   projection  one GPU of a TP8 / EP8 deployment with MXFP8 experts, the small-M linears, the projection (issue 23)
 #   serve     the benchmark contract through `m3jax serve` + `m3jax bench serve`, with the bare step beside it
 #             (issue 27; SERVE_FORMAT=bf16|mxfp8, prompt counts reduced to fit one call)
+#   invariance  greedy batch invariance of the engine with and without --batch-invariant, and which XLA ops
+#             change a row's result with the row count (issue 27; each mode in its own process)
 #   structured  grammar masks at batch 64 on this host's CPUs (issue 25; llguidance has no wheel for the GPU
 #             machine in the registry here: copy the dev venv's `llguidance` package folder into an ignored
 #             `.pylib/` and carry it)
@@ -54,6 +56,12 @@ for what in "$@"; do
         --sweep 1024x1024:1,8,32,64,128 --sweep 8192x1024:8,32 --prompts-per-concurrency 2 \
         --warmups-per-concurrency 0.25 --result-dir "/tmp/serve-$fmt" --out "$OUT/serve-h200-$fmt.json"
       tar czf "$OUT/serve-$fmt.tgz" -C /tmp "serve-$fmt"
+      ;;
+    invariance)
+      timeout 120 python3 benchmarks/bench_invariance.py --ops --modes --out "$OUT/invariance-ops-h200.json"
+      timeout 240 python3 benchmarks/bench_invariance.py --modes default --out "$OUT/invariance-default-h200.json"
+      timeout 330 python3 benchmarks/bench_invariance.py --modes invariant --chunked \
+        --baseline "$OUT/invariance-default-h200.json" --out "$OUT/invariance-h200.json"
       ;;
     structured)
       timeout "${STRUCTURED_TIMEOUT:-150}" python3 benchmarks/bench_structured.py --batch 64 \

@@ -76,16 +76,16 @@ class LayerPages:
 def msa_select(p: Params, cfg: M3Config, h_TD: jax.Array, batch: Batch, rope: tuple[jax.Array, ...],
                index_k: jax.Array, kernels: KernelChoice, layer: jax.Array | int) -> tuple[jax.Array, jax.Array]:
     """MSA index branch: write this step's index-K, then pick blocks per (KV group, query token): [T, K, N]."""
-    impl, topo = kernels.attention, kernels.topology
-    iq = rms_norm(ops.project(h_TD, p["wq"], "index.wq", impl=impl, topology=topo, layer=layer), p["q_norm"],
-                  cfg.rms_norm_eps)
-    ik = rms_norm(ops.project(h_TD, p["wk"], "index.wk", impl=impl, topology=topo, layer=layer)[:, None, :],
-                  p["k_norm"], cfg.rms_norm_eps)
+    impl, topo, inv = kernels.attention, kernels.topology, kernels.batch_invariant
+    iq = rms_norm(ops.project(h_TD, p["wq"], "index.wq", impl=impl, topology=topo, layer=layer, invariant=inv),
+                  p["q_norm"], cfg.rms_norm_eps)
+    ik = rms_norm(ops.project(h_TD, p["wk"], "index.wk", impl=impl, topology=topo, layer=layer,
+                              invariant=inv)[:, None, :], p["k_norm"], cfg.rms_norm_eps)
     iq, ik = apply_rope(iq, *rope), apply_rope(ik, *rope)
     index_k = ops.write_kv_pages(index_k, ik[:, 0], batch.slot_mapping, impl=impl, topology=topo)
     blocks = ops.paged_select_blocks(iq, index_k, batch.page_table, batch.token_row, batch.positions,
                                      topk=cfg.index_topk_blocks, local_blocks=cfg.index_local_blocks,
-                                     init_blocks=cfg.index_init_blocks, impl=impl, topology=topo)
+                                     init_blocks=cfg.index_init_blocks, impl=impl, topology=topo, invariant=inv)
     return index_k, blocks
 
 
@@ -95,10 +95,10 @@ def attention(p: Params, cfg: M3Config, kind: str, h_TD: jax.Array, batch: Batch
     """Self-attention of one layer: project, QK-norm, RoPE, write K/V pages, attend (dense or MSA). The
     projection weights (p["attn"]["w*"], p["index"]["w*"]) are the run's whole stacks, read at `layer`."""
     a = p["attn"]
-    impl, topo = kernels.attention, kernels.topology
+    impl, topo, inv = kernels.attention, kernels.topology, kernels.batch_invariant
 
     def project(x: jax.Array, name: str) -> jax.Array:
-        return ops.project(x, a[name], f"attn.{name}", impl=impl, topology=topo, layer=layer)
+        return ops.project(x, a[name], f"attn.{name}", impl=impl, topology=topo, layer=layer, invariant=inv)
 
     q = rms_norm(project(h_TD, "wq"), a["q_norm"], cfg.rms_norm_eps)
     k = rms_norm(project(h_TD, "wk"), a["k_norm"], cfg.rms_norm_eps)
@@ -111,7 +111,7 @@ def attention(p: Params, cfg: M3Config, kind: str, h_TD: jax.Array, batch: Batch
     index_k, blocks = pages.index_k, None
     if kind == "dense":
         o = ops.paged_dense_attention(q, k_pages, v_pages, batch.page_table, batch.token_row, batch.positions, scale,
-                                      impl=impl, topology=topo)
+                                      impl=impl, topology=topo, invariant=inv)
     else:
         def select() -> tuple[jax.Array, jax.Array]:
             return msa_select(p["index"], cfg, h_TD, batch, rope, index_k, kernels, layer)
@@ -124,7 +124,8 @@ def attention(p: Params, cfg: M3Config, kind: str, h_TD: jax.Array, batch: Batch
         else:  # decided per layer inside a scan
             index_k, blocks = jax.lax.cond(recompute, select, lambda: (index_k, reuse_blocks))
         o = ops.paged_block_sparse_attention(q, k_pages, v_pages, batch.page_table, batch.token_row,
-                                             batch.positions, blocks, scale=scale, impl=impl, topology=topo)
+                                             batch.positions, blocks, scale=scale, impl=impl, topology=topo,
+                                             invariant=inv)
     return project(o, "wo"), LayerPages(k_pages, v_pages, index_k), blocks
 
 
@@ -137,11 +138,12 @@ def mlp(p: Params, cfg: M3Config, kind: str, h_TD: jax.Array, batch: Batch, kern
     if kind == "dense":
         m = p["mlp"]
         return ops.dense_mlp(h_TD, m["w_gate"], m["w_up"], m["w_down"], alpha=cfg.swiglu_alpha,
-                             limit=cfg.swiglu_limit, impl=kernels.moe, topology=kernels.topology, layer=layer)
+                             limit=cfg.swiglu_limit, impl=kernels.moe, topology=kernels.topology, layer=layer,
+                             invariant=kernels.batch_invariant)
     return ops.moe(h_TD, p["moe"], top_k=cfg.num_experts_per_tok, routed_scaling=cfg.routed_scaling_factor,
                    alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit, impl=kernels.moe,
                    layer=layer if "experts" in p["moe"] else None, num_valid=batch.query_start[-1],
-                   topology=kernels.topology)
+                   topology=kernels.topology, invariant=kernels.batch_invariant)
 
 
 # ---- the decoder -------------------------------------------------------------------------------------------
@@ -231,6 +233,15 @@ class ForwardOutput:
     hidden: jax.Array | None = None
 
 
+def lm_head(x_TD: jax.Array, w_DV: jax.Array, kernels: KernelChoice) -> jax.Array:
+    """fp32 logits [T, V]. Batch-invariant kernels take the lm_head through the Pallas linear kernel (one tile set
+    at every row count; x handed over in fp32 so that the kernel writes fp32); XLA's GEMM otherwise."""
+    if kernels.batch_invariant:
+        return ops.project(x_TD.astype(jnp.float32), w_DV, "lm_head", impl=kernels.attention,
+                           topology=kernels.topology, invariant=True)
+    return jnp.einsum("td,dv->tv", x_TD, w_DV, preferred_element_type=jnp.float32)
+
+
 def forward(params: Params, cfg: M3Config, kv: KVPages, batch: Batch, kernels: KernelChoice,
             unroll: bool = False, capture: tuple[int, ...] = (), all_hidden: bool = False) -> ForwardOutput:
     """One step of M3 over a flat ragged batch: every token's K/V/index-K is written to its slot, every token
@@ -265,5 +276,5 @@ def forward(params: Params, cfg: M3Config, kv: KVPages, batch: Batch, kernels: K
         x = hidden[batch.logit_rows]
     else:
         x = rms_norm(x[batch.logit_rows], params["final_norm"], cfg.rms_norm_eps)
-    logits = jnp.einsum("td,dv->tv", x, params["lm_head"], preferred_element_type=jnp.float32)
+    logits = lm_head(x, params["lm_head"], kernels)
     return ForwardOutput(logits, new_kv, selections, aux, hidden)

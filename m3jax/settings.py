@@ -91,6 +91,9 @@ class Settings:
                                   env="M3JAX_ATTENTION_IMPL")
     moe_kernels: str = knob("auto", "the MoE grouped GEMMs and dense MLPs (auto: Pallas on GPUs, on any number of "
                             "them, jnp references elsewhere)", KERNELS, choices=KERNEL_CHOICES, env="M3JAX_MOE_IMPL")
+    batch_invariant: bool = knob(False, "run every kernel with one tile configuration whatever the batch, so a "
+                                 "greedy request's tokens do not depend on what else the step holds (on GPUs; "
+                                 "costs throughput: docs/benchmarks.md)", KERNELS)
     # ---- server ----
     host: str = knob("127.0.0.1", "address both servers bind (127.0.0.1: this machine only; 0.0.0.0: every "
                      "interface)", SERVER)
@@ -176,7 +179,8 @@ class Settings:
 
     def kernel_choice(self) -> KernelChoice:
         """The static kernel choice of the forward, resolved for this backend and device count."""
-        return KernelChoice(self.attention_kernels, self.moe_kernels).resolve(self.tensor_parallel_size)
+        return KernelChoice(self.attention_kernels, self.moe_kernels,
+                            batch_invariant=self.batch_invariant).resolve(self.tensor_parallel_size)
 
     def speculative(self) -> SpeculativeConfig | None:
         return SpeculativeConfig.parse(self.speculative_config)

@@ -10,6 +10,12 @@ M3JAX_MOE_IMPL) once, when a configuration is built.
 - "interpret": the same kernels through Pallas' interpreter: how CI checks them on the CPU.
 - "reference": the plain-jnp definitions.
 
+`batch_invariant`: every op family runs one tile configuration whatever the step's token and row counts (no
+decode / mid / prefill regimes, no split counts chosen from occupancy, the dense linears and the lm_head through
+the Pallas linear kernel at every M), so that a row's arithmetic, and with it a greedy request's tokens, never
+depends on what else is in the step. The tile tables say what each family runs then; docs/benchmarks.md says what
+it costs.
+
 `topology` (pallas_kernels/topology.py): the device mesh and sharding rules the forward runs under. On more than
 one device every op family runs through `jax.shard_map` (pallas_kernels/sharded.py), whatever the implementation:
 each device runs the kernel (or the reference) on its own shard, and XLA never has to partition a `pallas_call`
@@ -34,6 +40,7 @@ class KernelChoice:
     attention: str = "reference"  # ragged paged attention, MSA index + top-k, block-sparse attention, KV writes
     moe: str = "reference"  # the fused MoE grouped GEMMs
     topology: Topology = SINGLE  # the mesh and rules the ops are sharded by (one device: none)
+    batch_invariant: bool = False  # one tile configuration for every batch (see above)
 
     def __post_init__(self) -> None:
         for family in ("attention", "moe"):

@@ -29,16 +29,18 @@ PROJECTION_AXES = {
     "attn.wo": ("q_heads", "head_dim", "embed"),
     "index.wq": ("embed", "index_heads", "head_dim"),
     "index.wk": ("embed", "head_dim"),
+    "lm_head": ("embed", "vocab"),
 }
 
 
 def project(x: jax.Array, w: jax.Array, name: str, *, impl: str, topology: Topology = SINGLE,
-            layer: jax.Array | int | None = None) -> jax.Array:
+            layer: jax.Array | int | None = None, invariant: bool = False) -> jax.Array:
     """x [T, *in] @ w [*in, *out] for the projection `name` (PROJECTION_AXES), w's leading x.ndim - 1 axes
     contracted. M = T <= 64 rows with a kernel impl: the small-M Pallas kernel (pallas_kernels/linear), per shard
     under a topology; otherwise XLA's GEMM (partitioned by XLA), exactly the einsum the model ran before.
     `layer`: w is a layer scan's whole stack [layers, *in, *out] and this is layer `layer` (the kernel reads it in
-    place: a scan-sliced kernel operand is copied every iteration)."""
+    place: a scan-sliced kernel operand is copied every iteration). `invariant`: the batch-invariant kernel tiles
+    at every T (KernelChoice.batch_invariant)."""
     axes = PROJECTION_AXES[name]
     n_in = x.ndim - 1
     shape = w.shape if layer is None else w.shape[1:]
@@ -48,49 +50,51 @@ def project(x: jax.Array, w: jax.Array, name: str, *, impl: str, topology: Topol
         k *= d
     for d in local_w[n_in:]:
         n *= d
-    if not _linear.uses_kernel(x.shape[0], k, n, impl):
+    if not _linear.uses_kernel(x.shape[0], k, n, impl, invariant):
         return jnp.tensordot(x, w if layer is None else w[layer], axes=n_in)
     if topology.sharded:
-        return sharded.project(x, w, axes, impl=impl, topology=topology, layer=layer)
-    return sharded.project_local(x, w, impl=impl, layer=layer)
+        return sharded.project(x, w, axes, impl=impl, topology=topology, layer=layer, invariant=invariant)
+    return sharded.project_local(x, w, impl=impl, layer=layer, invariant=invariant)
 
 
 def dense_mlp(h_TD: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, *, alpha: float, limit: float,
-              impl: str = "reference", topology: Topology = SINGLE, layer: jax.Array | int | None = None) -> jax.Array:
+              impl: str = "reference", topology: Topology = SINGLE, layer: jax.Array | int | None = None,
+              invariant: bool = False) -> jax.Array:
     """The dense SwiGLU-OAI MLP (layers 0-2): through the small-M linear kernel where it applies to every one of
     its GEMMs at the shard's shapes (M <= 64), else XLA's GEMMs (`moe.reference.dense_mlp`). `layer`: the weights
     are a layer scan's stacks, read at that layer (as in `project`)."""
     T, D = h_TD.shape
     gate_shape = w_gate.shape[-2:]
     Fl = sharded.local_shape(gate_shape, ("embed", "mlp"), topology)[1] if topology.sharded else gate_shape[1]
-    if not (_linear.uses_kernel(T, D, Fl, impl) and _linear.uses_kernel(T, Fl, D, impl)):
+    if not (_linear.uses_kernel(T, D, Fl, impl, invariant) and _linear.uses_kernel(T, Fl, D, impl, invariant)):
         if layer is not None:
             w_gate, w_up, w_down = w_gate[layer], w_up[layer], w_down[layer]
         return _moe.dense_mlp(h_TD, w_gate, w_up, w_down, alpha=alpha, limit=limit)
     if topology.sharded:
         return sharded.dense_mlp(h_TD, w_gate, w_up, w_down, alpha=alpha, limit=limit, impl=impl, topology=topology,
-                                 layer=layer)
+                                 layer=layer, invariant=invariant)
     from pallas_kernels.moe.reference import swiglu_oai
 
-    act = swiglu_oai(_linear.linear(h_TD, w_gate, impl=impl, layer=layer),
-                     _linear.linear(h_TD, w_up, impl=impl, layer=layer), alpha=alpha, limit=limit)
-    return _linear.linear(act, w_down, impl=impl, layer=layer)
+    kw = {"impl": impl, "layer": layer, "invariant": invariant}
+    act = swiglu_oai(_linear.linear(h_TD, w_gate, **kw), _linear.linear(h_TD, w_up, **kw), alpha=alpha, limit=limit)
+    return _linear.linear(act, w_down, **kw)
 
 
 def paged_dense_attention(q_THD: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table_RN: jax.Array,
                           token_row_T: jax.Array, pos_T: jax.Array, scale: float, *, impl: str,
-                          topology: Topology = SINGLE) -> jax.Array:
+                          topology: Topology = SINGLE, invariant: bool = False) -> jax.Array:
     args = (q_THD, k_pages, v_pages, page_table_RN, token_row_T, pos_T, scale)
     if topology.sharded:
-        return sharded.paged_dense_attention(*args, impl=impl, topology=topology)
-    return _attn.paged_dense_attention(*args, impl=impl)
+        return sharded.paged_dense_attention(*args, impl=impl, topology=topology, invariant=invariant)
+    return _attn.paged_dense_attention(*args, impl=impl, invariant=invariant)
 
 
 def paged_select_blocks(iq_TGD: jax.Array, ik_pages: jax.Array, page_table_RN: jax.Array, token_row_T: jax.Array,
                         pos_T: jax.Array, *, topk: int, local_blocks: int, init_blocks: int = 0, impl: str,
-                        topology: Topology = SINGLE) -> jax.Array:
+                        topology: Topology = SINGLE, invariant: bool = False) -> jax.Array:
     args = (iq_TGD, ik_pages, page_table_RN, token_row_T, pos_T)
-    kw = {"topk": topk, "local_blocks": local_blocks, "init_blocks": init_blocks, "impl": impl}
+    kw = {"topk": topk, "local_blocks": local_blocks, "init_blocks": init_blocks, "impl": impl,
+          "invariant": invariant}
     if topology.sharded:
         return sharded.paged_select_blocks(*args, **kw, topology=topology)
     return _attn.paged_select_blocks(*args, **kw)
@@ -99,11 +103,12 @@ def paged_select_blocks(iq_TGD: jax.Array, ik_pages: jax.Array, page_table_RN: j
 def paged_block_sparse_attention(q_THD: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                                  page_table_RN: jax.Array, token_row_T: jax.Array, pos_T: jax.Array,
                                  blocks_TGN: jax.Array, *, scale: float, impl: str,
-                                 topology: Topology = SINGLE) -> jax.Array:
+                                 topology: Topology = SINGLE, invariant: bool = False) -> jax.Array:
     args = (q_THD, k_pages, v_pages, page_table_RN, token_row_T, pos_T, blocks_TGN)
+    kw = {"scale": scale, "impl": impl, "invariant": invariant}
     if topology.sharded:
-        return sharded.paged_block_sparse_attention(*args, scale=scale, impl=impl, topology=topology)
-    return _attn.paged_block_sparse_attention(*args, scale=scale, impl=impl)
+        return sharded.paged_block_sparse_attention(*args, **kw, topology=topology)
+    return _attn.paged_block_sparse_attention(*args, **kw)
 
 
 def write_kv_pages(pages: jax.Array, new_T: jax.Array, slot_T: jax.Array, *, impl: str,
@@ -115,9 +120,9 @@ def write_kv_pages(pages: jax.Array, new_T: jax.Array, slot_T: jax.Array, *, imp
 
 def moe(h_TD: jax.Array, p: dict, *, top_k: int, routed_scaling: float, alpha: float, limit: float, impl: str,
         layer: jax.Array | int | None = None, num_valid: jax.Array | None = None,
-        topology: Topology = SINGLE) -> jax.Array:
+        topology: Topology = SINGLE, invariant: bool = False) -> jax.Array:
     kw = {"top_k": top_k, "routed_scaling": routed_scaling, "alpha": alpha, "limit": limit, "impl": impl,
-          "layer": layer, "num_valid": num_valid}
+          "layer": layer, "num_valid": num_valid, "invariant": invariant}
     if topology.sharded:
         return sharded.moe(h_TD, p, **kw, topology=topology)
     return _moe.moe(h_TD, p, **kw)

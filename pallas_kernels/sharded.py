@@ -31,6 +31,7 @@ from pallas_kernels.moe import layout
 from pallas_kernels.moe.kernel import experts_of, kernel_tiles, pairs_pallas
 from pallas_kernels.moe.reference import dense_mlp as xla_dense_mlp
 from pallas_kernels.moe.reference import route, routed_experts, swiglu_oai
+from pallas_kernels.moe.tiles import invariant_tiles
 from pallas_kernels.topology import Topology
 
 __all__ = ["paged_dense_attention", "paged_select_blocks", "paged_block_sparse_attention", "write_kv_pages", "moe",
@@ -80,11 +81,11 @@ def _attention_specs(topology: Topology, q: jax.Array, pool: jax.Array) -> tuple
 
 def paged_dense_attention(q_THD: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table_RN: jax.Array,
                           token_row_T: jax.Array, pos_T: jax.Array, scale: float, *, impl: str,
-                          topology: Topology) -> jax.Array:
+                          topology: Topology, invariant: bool = False) -> jax.Array:
     q_spec, pool_spec, _ = _attention_specs(topology, q_THD, k_pages)
 
     def local(q, kp, vp, pt, row, pos):
-        return attn.paged_dense_attention(q, kp, vp, pt, row, pos, scale, impl=impl)
+        return attn.paged_dense_attention(q, kp, vp, pt, row, pos, scale, impl=impl, invariant=invariant)
 
     return _smap(topology, local, (q_spec, pool_spec, pool_spec, P(), P(), P()), q_spec)(
         q_THD, k_pages, v_pages, page_table_RN, token_row_T, pos_T)
@@ -92,7 +93,8 @@ def paged_dense_attention(q_THD: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
 
 def paged_block_sparse_attention(q_THD: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                                  page_table_RN: jax.Array, token_row_T: jax.Array, pos_T: jax.Array,
-                                 blocks_TGN: jax.Array, *, scale: float, impl: str, topology: Topology) -> jax.Array:
+                                 blocks_TGN: jax.Array, *, scale: float, impl: str, topology: Topology,
+                                 invariant: bool = False) -> jax.Array:
     q_spec, pool_spec, split = _attention_specs(topology, q_THD, k_pages)
     blocks_spec = topology.spec_for(blocks_TGN.shape, _BLOCKS) if split else P()
     local_groups = k_pages.shape[2] // topology.size if split else k_pages.shape[2]
@@ -100,7 +102,8 @@ def paged_block_sparse_attention(q_THD: jax.Array, k_pages: jax.Array, v_pages: 
     def local(q, kp, vp, pt, row, pos, blocks):
         if blocks.shape[1] != local_groups:  # replicate_kv: every device holds all groups' selections
             blocks = _pick_group(blocks, topology)
-        return attn.paged_block_sparse_attention(q, kp, vp, pt, row, pos, blocks, scale=scale, impl=impl)
+        return attn.paged_block_sparse_attention(q, kp, vp, pt, row, pos, blocks, scale=scale, impl=impl,
+                                                 invariant=invariant)
 
     return _smap(topology, local, (q_spec, pool_spec, pool_spec, P(), P(), P(), blocks_spec), q_spec)(
         q_THD, k_pages, v_pages, page_table_RN, token_row_T, pos_T, blocks_TGN)
@@ -108,9 +111,10 @@ def paged_block_sparse_attention(q_THD: jax.Array, k_pages: jax.Array, v_pages: 
 
 def paged_select_blocks(iq_TGD: jax.Array, ik_pages: jax.Array, page_table_RN: jax.Array, token_row_T: jax.Array,
                         pos_T: jax.Array, *, topk: int, local_blocks: int, init_blocks: int = 0, impl: str,
-                        topology: Topology) -> jax.Array:
+                        topology: Topology, invariant: bool = False) -> jax.Array:
     G = iq_TGD.shape[1]
-    kw = {"topk": topk, "local_blocks": local_blocks, "init_blocks": init_blocks, "impl": impl}
+    kw = {"topk": topk, "local_blocks": local_blocks, "init_blocks": init_blocks, "impl": impl,
+          "invariant": invariant}
     if topology.splits("index_heads", G):  # split: a device scores its own groups
         spec = topology.spec_for(iq_TGD.shape, _INDEX_Q)
 
@@ -163,7 +167,7 @@ def write_kv_pages(pages: jax.Array, new_T: jax.Array, slot_T: jax.Array, *, imp
 
 
 def project(x: jax.Array, w: jax.Array, w_axes: tuple[str, ...], *, impl: str, topology: Topology,
-            layer: jax.Array | int | None = None) -> jax.Array:
+            layer: jax.Array | int | None = None, invariant: bool = False) -> jax.Array:
     """x [T, *in] @ w [*in, *out] (w's first x.ndim - 1 axes contracted) through the small-M linear kernel on each
     device's shard of w: column-parallel when an output axis is split (x whole, the output split like it),
     row-parallel when a contracted one is (x split like it, partial outputs summed), whole when neither is.
@@ -177,14 +181,15 @@ def project(x: jax.Array, w: jax.Array, w_axes: tuple[str, ...], *, impl: str, t
     summed = any(a is not None for a in w_spec[:n_in])
 
     def local(xl, wl, ll):
-        y = project_local(xl, wl, impl=impl, layer=ll if stacked else None)
+        y = project_local(xl, wl, impl=impl, layer=ll if stacked else None, invariant=invariant)
         return jax.lax.psum(y, topology.axis) if summed else y
 
     wl_spec = P(None, *w_spec[:len(shape)]) if stacked else P(*w_spec[:len(shape)])
     return _smap(topology, local, (x_spec, wl_spec, P()), out_spec)(x, w, _layer_arg(layer))
 
 
-def project_local(x: jax.Array, w: jax.Array, *, impl: str, layer: jax.Array | int | None = None) -> jax.Array:
+def project_local(x: jax.Array, w: jax.Array, *, impl: str, layer: jax.Array | int | None = None,
+                  invariant: bool = False) -> jax.Array:
     n_in = x.ndim - 1
     stacked = layer is not None
     shape = w.shape[1:] if stacked else w.shape
@@ -192,7 +197,7 @@ def project_local(x: jax.Array, w: jax.Array, *, impl: str, layer: jax.Array | i
     for d in shape[:n_in]:
         k *= d
     w2 = w.reshape(w.shape[0], k, -1) if stacked else w.reshape(k, -1)
-    y = lin.linear(x.reshape(x.shape[0], k), w2, impl=impl, layer=layer)
+    y = lin.linear(x.reshape(x.shape[0], k), w2, impl=impl, layer=layer, invariant=invariant)
     return y.reshape(x.shape[0], *shape[n_in:])
 
 
@@ -208,7 +213,8 @@ def local_shape(shape: tuple[int, ...], axes: tuple[str, ...], topology: Topolog
 
 
 def dense_mlp(h_TD: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, *, alpha: float, limit: float,
-              impl: str, topology: Topology, layer: jax.Array | int | None = None) -> jax.Array:
+              impl: str, topology: Topology, layer: jax.Array | int | None = None,
+              invariant: bool = False) -> jax.Array:
     """The dense SwiGLU-OAI MLP through the small-M kernel on each device's share of F (gate / up columns, down
     rows), the partial outputs summed. `layer`: the weights are a scan's stacks, read at that layer."""
     stacked = layer is not None
@@ -219,10 +225,9 @@ def dense_mlp(h_TD: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.A
     rows = P(*lead, *rows_spec)
 
     def local(h, g, u, d, ll):
-        ll = ll if stacked else None
-        act = swiglu_oai(lin.linear(h, g, impl=impl, layer=ll), lin.linear(h, u, impl=impl, layer=ll), alpha=alpha,
-                         limit=limit)
-        y = lin.linear(act, d, impl=impl, layer=ll)
+        kw = {"impl": impl, "layer": ll if stacked else None, "invariant": invariant}
+        act = swiglu_oai(lin.linear(h, g, **kw), lin.linear(h, u, **kw), alpha=alpha, limit=limit)
+        y = lin.linear(act, d, **kw)
         return jax.lax.psum(y, topology.axis) if summed else y
 
     return _smap(topology, local, (P(), cols, cols, rows, P()), P())(h_TD, w_gate, w_up, w_down, _layer_arg(layer))
@@ -283,7 +288,7 @@ def _d_ff(p: dict) -> int:
 
 def moe(h_TD: jax.Array, p: dict, *, top_k: int, routed_scaling: float, alpha: float, limit: float, impl: str,
         layer: jax.Array | int | None = None, num_valid: jax.Array | None = None,
-        topology: Topology) -> jax.Array:
+        topology: Topology, invariant: bool = False) -> jax.Array:
     """`moe_dispatch.moe` on the devices of `topology`: split by each expert's width (tp: every device all slots
     over F / devices, partial outputs summed), by experts (ep: see `moe_ep_device`), or whole everywhere."""
     E = p["router"].shape[-1]
@@ -299,9 +304,9 @@ def moe(h_TD: jax.Array, p: dict, *, top_k: int, routed_scaling: float, alpha: f
         j = j if stacked else None
         if mode == "ep":
             out = moe_ep_device(h, lp, device=_device(topology), num_devices=topology.size, layer=j, num_valid=n,
-                                shared_split=shared_split, **kw)
+                                shared_split=shared_split, invariant=invariant, **kw)
         else:
-            out = moe_dispatch.moe(h, lp, layer=j, num_valid=n, **kw)
+            out = moe_dispatch.moe(h, lp, layer=j, num_valid=n, invariant=invariant, **kw)
         # The partial outputs of tp / ep, summed in the activation dtype (what a row-parallel GEMM's all-reduce
         # moves: bf16 on the GPU).
         return jax.lax.psum(out, topology.axis) if mode != "replicated" else out
@@ -311,7 +316,7 @@ def moe(h_TD: jax.Array, p: dict, *, top_k: int, routed_scaling: float, alpha: f
 
 def moe_ep_device(h_TD: jax.Array, p: dict, *, device: jax.Array | int, num_devices: int, top_k: int,
                   routed_scaling: float, alpha: float, limit: float, impl: str, layer: jax.Array | None,
-                  num_valid: jax.Array, shared_split: bool) -> jax.Array:
+                  num_valid: jax.Array, shared_split: bool, invariant: bool = False) -> jax.Array:
     """Expert-parallel device `device` of `num_devices` (`p`: its shard of the params): every token is routed
     (the router is replicated, so every device routes alike), the pairs of this device's experts
     [lo, lo + E/devices) run on its slots, the others are computed nowhere here (`pairs_pallas`' skipped slot).
@@ -327,7 +332,9 @@ def moe_ep_device(h_TD: jax.Array, p: dict, *, device: jax.Array | int, num_devi
     slots = layout.num_slots(experts)  # local slots: El, or El + 1 with the shared expert stacked
     shared_slot = "experts" in p and slots == El + 1
 
-    idx_TK, w_TK = route(h_TD, p["router"], p["router_bias"], top_k)
+    logits = moe_dispatch.invariant_router_logits(h_TD, p["router"], impl=impl) if (
+        invariant and impl != "reference") else None
+    idx_TK, w_TK = route(h_TD, p["router"], p["router_bias"], top_k, logits)
     t = jnp.arange(T, dtype=jnp.int32)
     pad_T = t >= num_valid
     idx_TK = jnp.where(pad_T[:, None], idx_TK[:1], idx_TK)  # padding rows: the first row's experts (moe_pallas)
@@ -339,10 +346,12 @@ def moe_ep_device(h_TD: jax.Array, p: dict, *, device: jax.Array | int, num_devi
         e_TJ = jnp.concatenate([e_TJ, jnp.where(ours_T, slots - 1, slots)[:, None]], axis=1)
         w_TJ = jnp.concatenate([w_TJ, ours_T.astype(jnp.float32)[:, None]], axis=1)
 
-    use_kernel = impl != "reference" and kernel_tiles(T, experts) is not None
+    tiles = (invariant_tiles(layout.weight_format(experts), interpret=impl == "interpret")
+             if invariant and impl != "reference" else None)
+    use_kernel = impl != "reference" and kernel_tiles(T, experts, tiles=tiles) is not None
     if use_kernel:
         out = pairs_pallas(h_TD, e_TJ, w_TJ, experts, alpha=alpha, limit=limit, interpret=impl == "interpret",
-                           layer=layer if "experts" in p else None)
+                           layer=layer if "experts" in p else None, tiles=tiles)
     else:  # the jnp reference of the same pairs: dequantised local slots through ragged_dot
         if "experts" in p:
             local = {k: v[layer] if layer is not None and k != layout.WIDE_SCALES else v for k, v in experts.items()}

@@ -44,3 +44,18 @@ def test_speculative_step_lowers_with_the_published_draft_shapes(model):
     args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), runner._abstract_args("spec", 128))
     # The target's kernels, plus the draft's paged attention and KV writes.
     assert count_triton_kernels(lower_for_gpu(runner._fns["spec"], *args)) >= 7
+
+
+@pytest.mark.parametrize("moe_format", ["bf16", "mxfp8"])
+def test_batch_invariant_step_lowers(moe_format):
+    """--batch-invariant: every linear (the lm_head and the fp32 router included) through the Pallas linear kernel
+    at decode and prefill sizes, the per-token sparse kernel at prefill, one MoE tile set: all of it lowers for
+    an H200."""
+    model = M3Model.abstract(preset("m3-slice"), "bfloat16", moe_format,
+                             KernelChoice("pallas", "pallas", batch_invariant=True))
+    runner = ModelRunner(model, num_pages=8, max_num_seqs=32, max_num_batched_tokens=2048, max_model_len=1280)
+    for size in (runner.token_buckets[0], runner.token_buckets[-1]):
+        args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), runner._abstract_args("forward", size))
+        text = lower_for_gpu(runner._fns["forward"], *args)
+        # Attention (3), MoE (2), and the linears: q/k/v/o, index q/k, router, dense MLP's 3, lm_head.
+        assert count_triton_kernels(text) >= 12, size

@@ -3,7 +3,8 @@
 The one place that picks kernel vs reference for the attention family. Each op takes `impl`, the attention part
 of a resolved `pallas_kernels.choice.KernelChoice` (a static value of the forward):
 - "pallas": the Pallas kernels (Triton lowering), tiles from `tuning.py` keyed by the real shapes (rows per
-  request: decode vs prefill; page-table width; head dims);
+  request: decode vs prefill; page-table width; head dims), or one set for every step with `invariant`
+  (`KernelChoice.batch_invariant`);
 - "interpret": the same kernels through Pallas' interpreter (how CI checks them on the CPU);
 - "reference": the jnp references (the definitions).
 
@@ -49,25 +50,26 @@ def _kernel_mode(impl: str, *pow2_dims: int) -> tuple[bool, bool]:
 
 
 def paged_dense_attention(q_THD: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table_RN: jax.Array,
-                          token_row_T: jax.Array, pos_T: jax.Array, scale: float, *, impl: str) -> jax.Array:
+                          token_row_T: jax.Array, pos_T: jax.Array, scale: float, *, impl: str,
+                          invariant: bool = False) -> jax.Array:
     T, H, D = q_THD.shape
     _, ps, K, _ = k_pages.shape
     use, interpret = _kernel_mode(impl, ps, D, H // K)
     if not use:
         return _ref.paged_dense_attention(q_THD, k_pages, v_pages, page_table_RN, token_row_T, pos_T, scale)
     R, P = page_table_RN.shape
-    tiles = tuning.dense_tiles(T, R, P, K, H // K)
+    tiles = tuning.dense_tiles(T, R, P, K, H // K, invariant=invariant)
     return _kernel.paged_dense_attention(q_THD, k_pages, v_pages, page_table_RN, token_row_T, pos_T, scale,
                                          tiles=tiles, interpret=interpret)
 
 
 def paged_select_blocks(iq_TGD: jax.Array, ik_pages: jax.Array, page_table_RN: jax.Array, token_row_T: jax.Array,
                         pos_T: jax.Array, *, topk: int, local_blocks: int, init_blocks: int = 0,
-                        impl: str) -> jax.Array:
+                        impl: str, invariant: bool = False) -> jax.Array:
     T, G, Di = iq_TGD.shape
     ps = ik_pages.shape[1]
     R, P = page_table_RN.shape
-    tiles = tuning.index_tiles(T, R, P, G)
+    tiles = tuning.index_tiles(T, R, P, G, invariant=invariant)
     use, interpret = _kernel_mode(impl, ps, Di, G * tiles.bt)
     if not use:
         return _msa_ref.paged_select_blocks(iq_TGD, ik_pages, page_table_RN, token_row_T, pos_T, topk=topk,
@@ -79,11 +81,12 @@ def paged_select_blocks(iq_TGD: jax.Array, ik_pages: jax.Array, page_table_RN: j
 
 def paged_block_sparse_attention(q_THD: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                                  page_table_RN: jax.Array, token_row_T: jax.Array, pos_T: jax.Array,
-                                 blocks_TGN: jax.Array, *, scale: float, impl: str) -> jax.Array:
+                                 blocks_TGN: jax.Array, *, scale: float, impl: str,
+                                 invariant: bool = False) -> jax.Array:
     T, H, D = q_THD.shape
     _, ps, K, _ = k_pages.shape
     R, _ = page_table_RN.shape
-    tiles = tuning.sparse_tiles(T, R, blocks_TGN.shape[-1], H // K)
+    tiles = tuning.sparse_tiles(T, R, blocks_TGN.shape[-1], H // K, invariant=invariant)
     use, interpret = _kernel_mode(impl, ps, D, H // K)  # any top-k: the kernels pad it to a power of two
     if not use:
         return _msa_ref.paged_block_sparse_attention(q_THD, k_pages, v_pages, page_table_RN, token_row_T, pos_T,

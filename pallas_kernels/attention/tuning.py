@@ -67,11 +67,12 @@ def _rows_per_request(num_tokens: int, num_rows: int) -> int:
     return max(1, -(-num_tokens // max(1, num_rows)))
 
 
-def index_tiles(num_tokens: int, num_rows: int, pages_per_row: int, index_heads: int) -> IndexTiles:
+def index_tiles(num_tokens: int, num_rows: int, pages_per_row: int, index_heads: int, *,
+                invariant: bool = False) -> IndexTiles:
     rows = _rows_per_request(num_tokens, num_rows)
     # The dot needs M = bt * heads >= 16 rows on the matrix units (Triton's minimum).
     min_bt = pow2_at_least(max(1, -(-16 // index_heads)))
-    if rows <= DECODE_ROWS_PER_REQUEST:
+    if rows <= DECODE_ROWS_PER_REQUEST and not invariant:
         # Bandwidth-bound: long page streams per program pipeline best, as long as the grid still holds ~2
         # programs per SM (H200, batch 64, kernel alone: 8k 16 pages/program 1.77x its floor vs 8 pages 2.3x;
         # 32k 64 pages 1.32x; 128k 64 pages 1.24x, 32 pages 1.11-1.26x across runs).
@@ -87,12 +88,19 @@ def index_tiles(num_tokens: int, num_rows: int, pages_per_row: int, index_heads:
     # (8k chunk, kernel-busy: 16 pages 146.5 / 147.9 us against 153.7 / 152.3 us with 8 in two cases of one run,
     # attention-h200-prefill-4.json; 32 pages 133.2-133.7 us against 145.6-146.7 us with 16 in three cases of the
     # next, attention-h200-prefill-5.json).
+    # Batch-invariant: these tiles for every step. A decode token then scores in a 64-row dot like a prefill
+    # token (the row's arithmetic does not change with the dot's height), and the top-k is always the second
+    # launch, whose result does not depend on how the pages were split.
     return IndexTiles(bt=max(min_bt, pow2_at_least(max(1, 64 // index_heads))), bp=32)
 
 
-def sparse_tiles(num_tokens: int, num_rows: int, topk: int, heads_per_group: int) -> AttentionTiles:
+def sparse_tiles(num_tokens: int, num_rows: int, topk: int, heads_per_group: int, *,
+                 invariant: bool = False) -> AttentionTiles:
     rows = _rows_per_request(num_tokens, num_rows)
-    if rows <= DECODE_ROWS_PER_REQUEST:
+    if rows <= DECODE_ROWS_PER_REQUEST or invariant:
+        # Batch-invariant: this per-token kernel for prefill tokens too. Each token reads its own selected pages
+        # in its own order, as at decode; the prefill kernels below visit a query block's union of pages, or
+        # merge per-block partials, in an order that depends on the other tokens of the chunk.
         # One token per program reading its own topk pages (no union list to build); not split: the merge of
         # split partials cost more than the parallelism gained (32k, batch 64: 94 us unsplit, 102-160 us split).
         # Half-page key steps (whole pages with 3 stages: 1.99 / 1.51 / 1.87x the floor at 8k / 32k / 128k).
@@ -122,9 +130,9 @@ def sparse_tiles(num_tokens: int, num_rows: int, topk: int, heads_per_group: int
 
 
 def dense_tiles(num_tokens: int, num_rows: int, pages_per_row: int, num_kv_heads: int,
-                heads_per_group: int) -> AttentionTiles:
+                heads_per_group: int, *, invariant: bool = False) -> AttentionTiles:
     rows = _rows_per_request(num_tokens, num_rows)
-    if rows <= DECODE_ROWS_PER_REQUEST:
+    if rows <= DECODE_ROWS_PER_REQUEST and not invariant:
         # Flash-decoding split so that requests x groups x splits is ~16 programs per SM (32k, batch 64: 8 splits
         # ran 1.17-1.23x the floor, 4 splits 1.24x, 2 splits 1.22x), but never under 16 pages per split: the
         # merge of partials then costs more than it gains (8k: 8 pages 1.44x, 16 pages 1.30x, 32 pages 1.29x).
@@ -134,5 +142,7 @@ def dense_tiles(num_tokens: int, num_rows: int, pages_per_row: int, num_kv_heads
     # M = 128 rows: the flash-attention forward shape (M = 256 exceeds the 227 KB of shared memory). 3 stages:
     # 8k chunk, kernel-busy, two cases in one run, 2,697 / 2,720 us against 2,883 / 2,907 us with 2
     # (attention-h200-prefill-4.json; before the unmasked whole-page loop, 2 stages had measured faster).
+    # Batch-invariant: these tiles for every step, never split: a decode token is a query block of one token
+    # whose keys are visited in page order by one program, the same dot shapes as a prefill token's.
     bt = pow2_at_least(max(1, 128 // heads_per_group))
     return AttentionTiles(bt=bt, pages_per_split=pages_per_row, num_warps=8, num_stages=3)

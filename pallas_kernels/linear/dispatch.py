@@ -2,7 +2,8 @@
 
 `linear(x, w, impl=...)` takes an op family's part of a resolved `KernelChoice` (the attention projections: the
 attention family's; the dense MLPs: the MoE / MLP family's): "pallas" / "interpret" run the split-K kernel where
-`tiles.pick_tiles` gives tiles for the shard's shapes (M <= 64 rows), "reference" and every other shape run
+`tiles.pick_tiles` gives tiles for the shard's shapes (M <= 64 rows; every M with `invariant`, the batch-invariant
+mode's one tile set), "reference" and every other shape run
 `reference.linear` (XLA). `uses_kernel` tells callers, statically, which one a call will take, so that a sharded
 caller wraps only the kernel in a shard_map and leaves XLA's GEMMs to XLA's partitioner. `layer`: w is a scan's
 whole stack [layers, K, N] (see kernel.py); the kernel reads the layer in place, XLA's GEMM its slice.
@@ -17,18 +18,19 @@ from pallas_kernels.linear import kernel, reference
 from pallas_kernels.linear.tiles import LinearTiles, pick_tiles
 
 
-def tiles_for(m: int, k: int, n: int, impl: str) -> LinearTiles | None:
+def tiles_for(m: int, k: int, n: int, impl: str, invariant: bool = False) -> LinearTiles | None:
     if impl not in IMPLS:
         raise ValueError(f"linear impl {impl!r}: expected one of {IMPLS} (resolve the KernelChoice first)")
-    return None if impl == "reference" else pick_tiles(m, k, n)
+    return None if impl == "reference" else pick_tiles(m, k, n, invariant=invariant)
 
 
-def uses_kernel(m: int, k: int, n: int, impl: str) -> bool:
-    return tiles_for(m, k, n, impl) is not None
+def uses_kernel(m: int, k: int, n: int, impl: str, invariant: bool = False) -> bool:
+    return tiles_for(m, k, n, impl, invariant) is not None
 
 
-def linear(x_MK: jax.Array, w_KN: jax.Array, *, impl: str, layer: jax.Array | int | None = None) -> jax.Array:
-    tiles = tiles_for(x_MK.shape[0], *w_KN.shape[-2:], impl)
+def linear(x_MK: jax.Array, w_KN: jax.Array, *, impl: str, layer: jax.Array | int | None = None,
+           invariant: bool = False) -> jax.Array:
+    tiles = tiles_for(x_MK.shape[0], *w_KN.shape[-2:], impl, invariant)
     if tiles is None:
         return reference.linear(x_MK, w_KN if layer is None else w_KN[layer])
     return kernel.linear(x_MK, w_KN, tiles=tiles, interpret=impl == "interpret", layer=layer)

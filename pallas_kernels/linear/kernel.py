@@ -1,10 +1,11 @@
 """Small-M dense linear in Pallas (Triton lowering on the GPU, interpret mode on the CPU): split-K weight streaming.
 
-Grid (N tiles, K splits). Program (j, s) accumulates x[:, K range s] @ w[K range s, j-th bn columns] in fp32 over
-`bk`-deep pipelined steps, all bm rows of x against each weight tile (the weight is read exactly once across the
-grid, x once per program: it is tiny). Unsplit, it writes its tile in the output dtype; split, its fp32 partial
-[split, bm, N], summed by XLA afterwards in split order (deterministic; at M <= 64 the partials are a few percent of
-the weight's bytes and are read back from L2).
+Grid (row blocks x N tiles, K splits). Program (j, s) accumulates x[:, K range s] @ w[K range s, j-th bn columns]
+in fp32 over `bk`-deep pipelined steps, all bm rows of x against each weight tile (the weight is read exactly once
+across the grid, x once per program: it is tiny). Unsplit, it writes its tile in the output dtype; split, its fp32
+partial [split, bm, N], summed by XLA afterwards in split order (deterministic; at M <= 64 the partials are a few
+percent of the weight's bytes and are read back from L2). Several row blocks (the batch-invariant tiles at prefill
+sizes, tiles.invariant_tiles) run in groups of ROW_GROUP, each group's blocks N tile by N tile.
 
 `layer`: w is a scan's whole stack [layers, K, N] and the kernel reads layer `layer`'s rows of it (a free reshape to
 [layers * K, N] and a row offset), because a scan-sliced operand of a custom call is copied into a buffer of its own
@@ -22,42 +23,56 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.linear.tiles import LinearTiles
+from pallas_kernels.moe.tiles import block_and_tile
+
+# Row blocks that run N tile by N tile together (more than one only with the batch-invariant tiles at prefill
+# sizes): their x rows stay in L2 while the weight streams past them once per group.
+ROW_GROUP = 8
 
 
-def _linear_kernel(row0_ref, x_ref, w_ref, o_ref, *, bn: int, bk: int, per_split: int, split: int):
-    j, s = pl.program_id(0), pl.program_id(1)
+def _linear_kernel(row0_ref, x_ref, w_ref, o_ref, *, bm: int, bn: int, bk: int, per_split: int, split: int,
+                   blocks: int):
+    s = pl.program_id(1)
+    b, j = block_and_tile(pl.program_id(0), blocks, o_ref.shape[-1] // bn, ROW_GROUP)
     n0 = pl.multiple_of(j * bn, bn)
+    m0 = pl.multiple_of(b * bm, bm)
     row0 = row0_ref[0]  # the layer's first row of a stacked weight (0 when unstacked)
 
     def step(i, acc):
         k0 = pl.multiple_of((s * per_split + i) * bk, bk)
         w = w_ref[pl.ds(pl.multiple_of(row0 + k0, bk), bk), pl.ds(n0, bn)]
-        return acc + jnp.dot(x_ref[:, pl.ds(k0, bk)], w, preferred_element_type=jnp.float32)
+        # fp32 weights (the router) multiply in full fp32, not TF32: the dot XLA's reference computes.
+        precision = lax.Precision.HIGHEST if w.dtype == jnp.float32 else None
+        return acc + jnp.dot(x_ref[pl.ds(m0, bm), pl.ds(k0, bk)], w, preferred_element_type=jnp.float32,
+                             precision=precision)
 
-    acc = lax.fori_loop(0, per_split, step, jnp.zeros((x_ref.shape[0], bn), jnp.float32))
+    acc = lax.fori_loop(0, per_split, step, jnp.zeros((bm, bn), jnp.float32))
     if split == 1:
-        o_ref[:, pl.ds(n0, bn)] = acc.astype(o_ref.dtype)
+        o_ref[pl.ds(m0, bm), pl.ds(n0, bn)] = acc.astype(o_ref.dtype)
     else:
-        o_ref[s, :, pl.ds(n0, bn)] = acc
+        o_ref[s, pl.ds(m0, bm), pl.ds(n0, bn)] = acc
 
 
 def linear(x_MK: jax.Array, w_KN: jax.Array, *, tiles: LinearTiles, interpret: bool = False,
            layer: jax.Array | int | None = None) -> jax.Array:
-    """x @ w for M <= tiles.bm rows, in x's dtype (fp32 accumulation). With `layer`, w is [layers, K, N] and
-    x @ w[layer] is computed without slicing w."""
+    """x @ w in x's dtype (fp32 accumulation), in row blocks of tiles.bm (one block at the small-M table's sizes;
+    the batch-invariant tiles take any M). With `layer`, w is [layers, K, N] and x @ w[layer] is computed without
+    slicing w."""
     M, K = x_MK.shape
     K2, N = w_KN.shape[-2:]
-    if K != K2 or tiles.bm < M or K % (tiles.bk * tiles.split) or N % tiles.bn or w_KN.ndim != 2 + (layer is not None):
+    if K != K2 or K % (tiles.bk * tiles.split) or N % tiles.bn or w_KN.ndim != 2 + (layer is not None):
         raise ValueError(f"linear kernel: x {x_MK.shape} @ w {w_KN.shape} (layer {layer}) does not fit tiles {tiles}")
     row0 = jnp.zeros((1,), jnp.int32) if layer is None else jnp.reshape(jnp.asarray(layer, jnp.int32) * K, (1,))
     w_KN = w_KN.reshape(-1, N)
-    x = jnp.pad(x_MK, ((0, tiles.bm - M), (0, 0))).astype(w_KN.dtype)
-    shape = (tiles.bm, N) if tiles.split == 1 else (tiles.split, tiles.bm, N)
+    blocks = -(-M // tiles.bm)
+    Mp = blocks * tiles.bm
+    x = jnp.pad(x_MK, ((0, Mp - M), (0, 0))).astype(w_KN.dtype)
+    shape = (Mp, N) if tiles.split == 1 else (tiles.split, Mp, N)
     out = pl.pallas_call(
-        functools.partial(_linear_kernel, bn=tiles.bn, bk=tiles.bk, per_split=K // tiles.bk // tiles.split,
-                          split=tiles.split),
+        functools.partial(_linear_kernel, bm=tiles.bm, bn=tiles.bn, bk=tiles.bk,
+                          per_split=K // tiles.bk // tiles.split, split=tiles.split, blocks=blocks),
         out_shape=jax.ShapeDtypeStruct(shape, x_MK.dtype if tiles.split == 1 else jnp.float32),
-        grid=(N // tiles.bn, tiles.split),
+        grid=(blocks * (N // tiles.bn), tiles.split),
         compiler_params=plgpu.CompilerParams(num_warps=tiles.warps, num_stages=tiles.stages),
         interpret=interpret,
         name=f"linear_bm{tiles.bm}_bn{tiles.bn}_split{tiles.split}",

@@ -30,9 +30,29 @@ class LinearTiles:
     stages: int = 4
 
 
-def pick_tiles(m: int, k: int, n: int, *, max_m: int = MAX_M) -> LinearTiles | None:
+# Batch-invariant (KernelChoice.batch_invariant): one tile set at every M, from one row to a prefill chunk, so a
+# row's dot products are the same instructions over the same K order whatever the other rows are. 64-row blocks
+# (the warpgroup MMA's height), K unsplit (a split's partial sums would regroup K), 64 x 128 output tiles.
+INVARIANT_BM, INVARIANT_BN, INVARIANT_BK = 64, 128, 64
+
+
+def invariant_tiles(k: int, n: int) -> LinearTiles | None:
+    """The batch-invariant tiles for a [*, k] @ [k, n] shard (any number of rows), or None if none divides it."""
+    bn, bk = INVARIANT_BN, INVARIANT_BK
+    while bn > 16 and n % bn:
+        bn //= 2
+    while bk > 16 and k % bk:
+        bk //= 2
+    if n % bn or k % bk:
+        return None
+    return LinearTiles(bm=INVARIANT_BM, bn=bn, bk=bk, split=1)
+
+
+def pick_tiles(m: int, k: int, n: int, *, max_m: int = MAX_M, invariant: bool = False) -> LinearTiles | None:
     """Tiles for an [m, k] @ [k, n] shard, or None when the XLA GEMM should run it (m too large, or no tile
-    divides the shapes)."""
+    divides the shapes). `invariant`: `invariant_tiles` at every m."""
+    if invariant:
+        return invariant_tiles(k, n) if m >= 1 else None
     if m > max_m or m < 1:
         return None
     bm = max(16, pow2_at_least(m))

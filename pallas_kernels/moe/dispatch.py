@@ -17,22 +17,31 @@ prefill sizes; `pallas_kernels.ops.dense_mlp` takes the small-M linear kernel (p
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from pallas_kernels.choice import IMPLS
+from pallas_kernels.linear.dispatch import linear
 from pallas_kernels.moe import layout, reference
 from pallas_kernels.moe.kernel import experts_of, kernel_tiles, moe_pallas
 from pallas_kernels.moe.reference import dense_mlp
+from pallas_kernels.moe.tiles import invariant_tiles
 
 __all__ = ["dense_mlp", "moe"]
 
 
 def moe(h_TD: jax.Array, p: dict, *, top_k: int, routed_scaling: float, alpha: float, limit: float,
-        impl: str, layer: jax.Array | int | None = None, num_valid: jax.Array | None = None) -> jax.Array:
+        impl: str, layer: jax.Array | int | None = None, num_valid: jax.Array | None = None,
+        invariant: bool = False) -> jax.Array:
     """`layer`: p["experts"] (the prepared layout) is a whole run's stack [layers, S, ...] and this is layer
-    `layer`; the other params are that layer's. `num_valid`: the rows of h past it are a bucket's padding."""
+    `layer`; the other params are that layer's. `num_valid`: the rows of h past it are a bucket's padding.
+    `invariant`: the batch-invariant tiles (tiles.invariant_tiles) instead of the table's for this T."""
     if impl not in IMPLS:
         raise ValueError(f"MoE impl {impl!r}: expected one of {IMPLS} (resolve the KernelChoice first)")
-    if impl != "reference" and kernel_tiles(h_TD.shape[0], experts_of(p)[0]) is None:
+    tiles = logits = None
+    if impl != "reference" and invariant:
+        tiles = invariant_tiles(layout.weight_format(experts_of(p)[0]), interpret=impl == "interpret")
+        logits = invariant_router_logits(h_TD, p["router"], impl=impl)
+    if impl != "reference" and kernel_tiles(h_TD.shape[0], experts_of(p)[0], tiles=tiles) is None:
         impl = "reference"  # shapes no tile divides (tiny test configs; MXFP4 needs K % 128 == 0)
     if impl == "reference":
         if layer is not None and "experts" in p:
@@ -41,4 +50,11 @@ def moe(h_TD: jax.Array, p: dict, *, top_k: int, routed_scaling: float, alpha: f
         ref_p = layout.reference_params(p, h_TD.dtype) if "w_gate" not in p else p
         return reference.moe(h_TD, ref_p, top_k=top_k, routed_scaling=routed_scaling, alpha=alpha, limit=limit)
     return moe_pallas(h_TD, p, top_k=top_k, routed_scaling=routed_scaling, alpha=alpha, limit=limit,
-                      interpret=impl == "interpret", layer=layer, num_valid=num_valid)
+                      interpret=impl == "interpret", layer=layer, num_valid=num_valid, tiles=tiles,
+                      router_logits=logits)
+
+
+def invariant_router_logits(h_TD: jax.Array, router_DE: jax.Array, *, impl: str) -> jax.Array:
+    """fp32 router logits [T, E] through the linear kernel's batch-invariant tiles (full-fp32 products): XLA's
+    GEMM may change its algorithm, and with it a row's sum, with T, and a flipped logit re-routes a token."""
+    return linear(h_TD.astype(jnp.float32), router_DE.astype(jnp.float32), impl=impl, invariant=True)

@@ -20,10 +20,13 @@ def dense_mlp(h_TD: jax.Array, w_gate_DF: jax.Array, w_up_DF: jax.Array, w_down_
     return swiglu_oai(h_TD @ w_gate_DF, h_TD @ w_up_DF, alpha=alpha, limit=limit) @ w_down_FD
 
 
-def route(h_TD: jax.Array, router_DE: jax.Array, bias_E: jax.Array, top_k: int) -> tuple[jax.Array, jax.Array]:
-    """(expert ids [T, k], weights [T, k] fp32). The bias picks experts; it never weights them."""
-    logits = h_TD.astype(jnp.float32) @ router_DE.astype(jnp.float32)
-    scores = jax.nn.sigmoid(logits)
+def route(h_TD: jax.Array, router_DE: jax.Array, bias_E: jax.Array, top_k: int,
+          logits_TE: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """(expert ids [T, k], weights [T, k] fp32). The bias picks experts; it never weights them. `logits_TE`: the
+    router's fp32 logits computed elsewhere (the batch-invariant kernel path), instead of XLA's GEMM here."""
+    if logits_TE is None:
+        logits_TE = h_TD.astype(jnp.float32) @ router_DE.astype(jnp.float32)
+    scores = jax.nn.sigmoid(logits_TE)
     _, idx_TK = jax.lax.top_k(scores + bias_E.astype(jnp.float32), top_k)
     w_TK = jnp.take_along_axis(scores, idx_TK, axis=-1)
     return idx_TK, w_TK / jnp.sum(w_TK, axis=-1, keepdims=True)

@@ -225,6 +225,16 @@ def pick_tiles(num_tokens: int, fmt: str, *, interpret: bool = False) -> MoeTile
     return tiles
 
 
+def invariant_tiles(fmt: str, *, interpret: bool = False) -> MoeTiles:
+    """The batch-invariant tiles (KernelChoice.batch_invariant): the mid regime's entry for every token count,
+    without shorter tail blocks, split K or a shard fill, so that each (token, expert) row is computed by the same
+    dot shapes over the same K order whatever the step holds. Decode pays for taller blocks than its rows need,
+    prefill for shorter ones than it could use."""
+    if interpret:
+        return INTERPRET_TILES
+    return pick_tiles(DECODE_MAX_T + 1, fmt).replace(regime="invariant", tail_heights=())
+
+
 def fit_tiles(tiles: MoeTiles, d_model: int, d_ff: int, fmt: str) -> MoeTiles | None:
     """`tiles` shrunk (halving bn / bk) until they divide the layer's shapes; None when no tile fits (then the
     dispatch uses the reference). The GPU table's entries fit M3 as they are."""

@@ -1,0 +1,99 @@
+"""The batch-invariant kernel mode (`KernelChoice.batch_invariant`, `--batch-invariant`): every op family runs one
+tile configuration whatever the step's token and row counts, so a row's arithmetic never depends on the batch.
+What CI can check: the tile tables ignore the batch, the multi-block linear kernel and the whole forward in this
+mode equal the references, and the engine serves with it exactly. Whether the GPU then gives bitwise-equal greedy
+tokens is measured on the GPU (benchmarks/bench_invariance.py, docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from m3jax.api import M3Model
+from m3jax.config import preset
+from m3jax.params import random_params
+from pallas_kernels.attention import tuning
+from pallas_kernels.choice import KernelChoice
+from pallas_kernels.linear import dispatch as linear_dispatch
+from pallas_kernels.linear.tiles import pick_tiles
+from pallas_kernels.moe.tiles import fill_shard, invariant_tiles
+
+# (tokens, rows) of steps an engine runs: pure decode at several batch sizes, prefill chunks, mixed steps.
+STEPS = [(1, 1), (8, 8), (32, 32), (128, 128), (64, 2), (256, 16), (2048, 32), (8192, 1), (8192, 128)]
+
+
+def test_invariant_tiles_ignore_the_batch():
+    for pages, heads in [(8, 4), (64, 16), (1024, 16)]:
+        dense = {tuning.dense_tiles(t, r, pages, 4, heads, invariant=True) for t, r in STEPS}
+        index = {tuning.index_tiles(t, r, pages, 4, invariant=True) for t, r in STEPS}
+        sparse = {tuning.sparse_tiles(t, r, 16, heads, invariant=True) for t, r in STEPS}
+        assert len(dense) == len(index) == len(sparse) == 1
+        assert next(iter(dense)).pages_per_split >= pages  # never split: one program walks a row's keys in order
+        assert next(iter(index)).topk == "pallas"
+    # The tables without the flag do change with the batch: what the mode exists to avoid.
+    assert len({tuning.dense_tiles(t, r, 64, 4, 16) for t, r in STEPS}) > 1
+    for k, n in [(6144, 8192), (8192, 6144), (6144, 128), (6144, 200064)]:
+        tiles = {pick_tiles(m, k, n, invariant=True) for m in (1, 3, 64, 65, 4096, 8192)}
+        assert len(tiles) == 1 and next(iter(tiles)).split == 1
+    assert pick_tiles(4096, 6144, 8192) is None  # without the flag, prefill sizes are XLA's
+    for fmt in ("dense", "mxfp8", "mxfp4"):
+        t = invariant_tiles(fmt)
+        assert t.tail_heights == () and t.gu.split == t.dn.split == 1
+        assert fill_shard(t, 5, 6144, 384) == t  # a narrow shard's fill would split K by the block count
+
+
+@pytest.mark.parametrize("m", [1, 17, 64, 65, 130])
+def test_linear_kernel_any_rows(m):
+    """The invariant tiles take any M in row blocks (grouped launch order), equal to XLA's dot, and a row's result
+    is bitwise the same whatever M is."""
+    key = jax.random.key(m)
+    x = jax.random.normal(key, (130, 256), jnp.float32)
+    w = jax.random.normal(jax.random.fold_in(key, 1), (256, 192), jnp.float32)
+    got = linear_dispatch.linear(x[:m], w, impl="interpret", invariant=True)
+    np.testing.assert_allclose(got, x[:m] @ w, rtol=1e-5, atol=1e-4)
+    one = linear_dispatch.linear(x[:1], w, impl="interpret", invariant=True)
+    np.testing.assert_array_equal(np.asarray(got[:1]), np.asarray(one))
+
+
+# m3-tiny widened so that the kernels' tiles divide it (as tests/test_sharding.py does).
+CFG = preset("m3-tiny").replace(num_heads=8, num_kv_heads=4, index_num_heads=4, moe_intermediate_size=128,
+                                shared_intermediate_size=128)
+TOKENS = np.random.default_rng(0).integers(0, CFG.vocab_size, (2, 48)).astype(np.int32)
+
+
+def test_invariant_forward_equals_reference():
+    host = random_params(CFG, seed=7, scale=1.5)
+    want = M3Model.create(CFG, host).logits(TOKENS)
+    choice = KernelChoice("interpret", "interpret", batch_invariant=True)
+    model = M3Model.create(CFG, host, kernels=choice)
+    assert model.kernels.batch_invariant
+    got = model.logits(TOKENS)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
+
+
+def test_engine_serves_batch_invariant_exactly():
+    """`batch_invariant=True` through the whole engine (interpret kernels): greedy tokens batched and chunked equal
+    each request alone, and the setting reaches the compiled step."""
+    from serving import LLM, SamplingParams
+
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(1, 500, int(n)).tolist() for n in rng.integers(10, 40, 4)]
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    with LLM(model="m3-tiny", dtype="float32", max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16,
+             attention_kernels="interpret", moe_kernels="interpret", batch_invariant=True, progress=False,
+             enable_compilation_cache=False) as llm:
+        assert llm.core.runner.model.kernels.batch_invariant
+        batched = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        alone = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    assert batched == alone and all(len(t) == 6 for t in batched)
+
+
+def test_flag_is_part_of_the_step_identity():
+    """Two choices that differ only in the flag are different static arguments (different executables)."""
+    a, b = KernelChoice("pallas", "pallas"), KernelChoice("pallas", "pallas", batch_invariant=True)
+    assert a != b and hash(a) != hash(b)
+    assert len(set(itertools.chain([a, b, a]))) == 2

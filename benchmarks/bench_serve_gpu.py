@@ -72,7 +72,8 @@ def main() -> None:
     ap.add_argument("--ready-timeout", type=float, default=300.0)
     ap.add_argument("--server-args", default="", help="more `m3jax serve` flags, space separated")
     ap.add_argument("--result-dir", default="benchmarks/results")
-    ap.add_argument("--out", default=None, help="default: <result-dir>/serve-h200-<moe-format>.json")
+    ap.add_argument("--gpu-name", default="h200", help="names the result files")
+    ap.add_argument("--out", default=None, help="default: <result-dir>/serve-<gpu-name>-<moe-format>.json")
     args = ap.parse_args()
     sweeps = [parse_sweep(s) for s in (args.sweep or ["1024x1024:1,8,32,64,128", "8192x1024:8,32"])]
     max_len = max(isl + osl for isl, osl, _ in sweeps) + 128
@@ -86,7 +87,7 @@ def main() -> None:
                   str(args.max_num_batched_tokens), "--max-model-len", str(max_len), "--host", "127.0.0.1",
                   "--http-port", str(args.port), "--grpc-port", str(args.port + 1), "--no-progress",
                   *args.server_args.split()]
-    log_path = result_dir / f"serve-h200-{args.moe_format}-server.log"
+    log_path = result_dir / f"serve-{args.gpu_name}-{args.moe_format}-server.log"
     print("[serve-gpu] " + " ".join(server_cmd), flush=True)
     with open(log_path, "w") as log:
         proc = subprocess.Popen(server_cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -95,7 +96,7 @@ def main() -> None:
             print(f"[serve-gpu] ready in {ready_s:.1f} s", flush=True)
             tags = []
             for isl, osl, levels in sweeps:
-                tag = f"serve-h200-{args.moe_format}-{isl}x{osl}"
+                tag = f"serve-{args.gpu_name}-{args.moe_format}-{isl}x{osl}"
                 tags.append((isl, osl, levels, tag))
                 cmd = [sys.executable, "-m", "m3jax", "bench", "serve", "--base-url", url, "--input-len", str(isl),
                        "--output-len", str(osl), "--concurrency", ",".join(map(str, levels)),
@@ -119,7 +120,7 @@ def main() -> None:
             if path.exists():
                 served.append((isl, osl, c, json.loads(path.read_text())))
     batches = sorted({1, *[c for *_, c, _ in served]})
-    bare_path = result_dir / f"serve-h200-{args.moe_format}-bare.json"
+    bare_path = result_dir / f"serve-{args.gpu_name}-{args.moe_format}-bare.json"
     context = int(0.9 * sweeps[0][0] + sweeps[0][1] / 2)  # mean prompt (range 0.8-1.0) plus half the output
     prefill_len = int(0.9 * sweeps[0][0])  # the median prompt of the first sweep
     bare_cmd = [sys.executable, "benchmarks/bench_slice_decode.py", "--preset", args.model, "--batches",
@@ -152,7 +153,7 @@ def main() -> None:
             out["ttft_over_bare_prefill"] = out["ttft_median_s"] / out["bare_prefill_s"]
         records.append(out)
         print(json.dumps(out), flush=True)
-    dest = Path(args.out or result_dir / f"serve-h200-{args.moe_format}.json")
+    dest = Path(args.out or result_dir / f"serve-{args.gpu_name}-{args.moe_format}.json")
     dest.write_text(json.dumps(records, indent=2) + "\n")
     print(f"[serve-gpu] {len(records)} records -> {dest}", flush=True)
 

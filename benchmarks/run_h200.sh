@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The H200 runs behind docs/benchmarks.md's GPU figures, each case fitting one device call; cases combine in one
-# call: `bash benchmarks/run_h200.sh spec step` runs both.
+# call: `bash benchmarks/run_h200.sh spec step` runs both. GPU_NAME (default h200) names the serve and invariance
+# results when another card runs them.
 #   startup   serve cold/warm start-up, the engine's decode step, per-shape compile (issue 22)
 #   step      the engine's decode step alone (engine / bare)
 #   smoke     engine sizes that are not powers of two
@@ -51,17 +52,18 @@ for what in "$@"; do
       ;;
     serve)
       # A call returns at most 8 files: the per-level JSON, the server log and the bare step travel as one tarball.
-      fmt="${SERVE_FORMAT:-bf16}"
-      timeout "${SERVE_TIMEOUT:-560}" python3 benchmarks/bench_serve_gpu.py --moe-format "$fmt" \
+      fmt="${SERVE_FORMAT:-bf16}" gpu="${GPU_NAME:-h200}"
+      timeout "${SERVE_TIMEOUT:-560}" python3 benchmarks/bench_serve_gpu.py --moe-format "$fmt" --gpu-name "$gpu" \
         --sweep 1024x1024:1,8,32,64,128 --sweep 8192x1024:8,32 --prompts-per-concurrency 2 \
-        --warmups-per-concurrency 0.25 --result-dir "/tmp/serve-$fmt" --out "$OUT/serve-h200-$fmt.json"
+        --warmups-per-concurrency 0.25 --result-dir "/tmp/serve-$fmt" --out "$OUT/serve-$gpu-$fmt.json"
       tar czf "$OUT/serve-$fmt.tgz" -C /tmp "serve-$fmt"
       ;;
     invariance)
-      timeout 120 python3 benchmarks/bench_invariance.py --ops --modes --out "$OUT/invariance-ops-h200.json"
-      timeout 240 python3 benchmarks/bench_invariance.py --modes default --out "$OUT/invariance-default-h200.json"
+      gpu="${GPU_NAME:-h200}"
+      timeout 120 python3 benchmarks/bench_invariance.py --ops --modes --out "$OUT/invariance-ops-$gpu.json"
+      timeout 240 python3 benchmarks/bench_invariance.py --modes default --out "$OUT/invariance-default-$gpu.json"
       timeout 330 python3 benchmarks/bench_invariance.py --modes invariant --chunked \
-        --baseline "$OUT/invariance-default-h200.json" --out "$OUT/invariance-h200.json"
+        --baseline "$OUT/invariance-default-$gpu.json" --out "$OUT/invariance-$gpu.json"
       ;;
     structured)
       timeout "${STRUCTURED_TIMEOUT:-150}" python3 benchmarks/bench_structured.py --batch 64 \

@@ -89,14 +89,23 @@ def engine_run(args: argparse.Namespace, invariant: bool, prompts: list[list[int
 
     llm = engine(args.max_num_batched_tokens)
     stats = llm.core.stats
-    llm.generate(prompts[:2], params, use_tqdm=False)  # first-use costs out of the timing
+    def tokens(outs: list) -> list[list[int]]:
+        """Each request's tokens; a failed step or a short output stops the benchmark (empty outputs would
+        compare equal)."""
+        for o in outs:
+            if o.error or len(o.outputs[0].token_ids) != args.output_len:
+                raise SystemExit(f"request {o.request_id} failed or stopped short: {o.error!r}, "
+                                 f"{len(o.outputs[0].token_ids)} of {args.output_len} tokens")
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    tokens(llm.generate(prompts[:2], params, use_tqdm=False))  # first-use costs out of the timing
     before = dict(stats)
     t = time.perf_counter()
-    batch = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    batch = tokens(llm.generate(prompts, params, use_tqdm=False))
     batch_s = time.perf_counter() - t
     steps = stats["decode_steps"] - before.get("decode_steps", 0)
     step_s = (stats["decode_step_us"] - before.get("decode_step_us", 0)) / 1e6 / max(steps, 1)
-    alone = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    alone = [tokens(llm.generate([p], params, use_tqdm=False))[0] for p in prompts]
     llm.core.shutdown()
     del llm
     rec = {"op": "batch_invariance", "mode": "invariant" if invariant else "default", "model": args.model,
@@ -109,7 +118,7 @@ def engine_run(args: argparse.Namespace, invariant: bool, prompts: list[list[int
            "engine_decode_step_s": step_s, "device": jax.devices()[0].device_kind, "git_rev": _rev()}
     if args.chunked:
         small = engine(args.chunk_budget)
-        chunked = [o.outputs[0].token_ids for o in small.generate(prompts, params, use_tqdm=False)]
+        chunked = tokens(small.generate(prompts, params, use_tqdm=False))
         small.core.shutdown()
         rec["chunk_budget"] = args.chunk_budget
         rec["equal_chunked"] = sum(a == b for a, b in zip(chunked, batch, strict=True))

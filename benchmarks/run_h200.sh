@@ -60,9 +60,10 @@ for what in "$@"; do
       ;;
     invariance)
       gpu="${GPU_NAME:-h200}"
-      timeout 120 python3 benchmarks/bench_invariance.py --ops --modes --out "$OUT/invariance-ops-$gpu.json"
-      timeout 240 python3 benchmarks/bench_invariance.py --modes default --out "$OUT/invariance-default-$gpu.json"
-      timeout 330 python3 benchmarks/bench_invariance.py --modes invariant --chunked \
+      timeout 100 python3 benchmarks/bench_invariance.py --ops --ops-m 1 3 64 1024 --modes \
+        --out "$OUT/invariance-ops-$gpu.json"
+      timeout 200 python3 benchmarks/bench_invariance.py --modes default --out "$OUT/invariance-default-$gpu.json"
+      timeout 280 python3 benchmarks/bench_invariance.py --modes invariant --chunked \
         --baseline "$OUT/invariance-default-$gpu.json" --out "$OUT/invariance-$gpu.json"
       ;;
     structured)

@@ -5,7 +5,8 @@ A batch of B requests with ~`--context`-token prompts is prefilled through the e
   tokens, stop checks, detokenisation and outputs: everything the serving loop does per token);
 - bare: the same compiled executable called back to back on a fixed decode batch (forward + sampling on the
   device, no host work but the dispatch).
-The ratio engine / bare is the host's cost per step once async scheduling has overlapped it with the device.
+The ratio engine / bare is the host's cost per step once async scheduling has overlapped it with the device. On a
+GPU both loops are also traced: kernel-busy time per step tells device work from the device waiting on the host.
 
     PYTHONPATH=. python benchmarks/bench_engine_step.py [--model m3-slice] [--batches 32 128] [--context 1024]
 """
@@ -79,12 +80,21 @@ def measure(core: Any, batch: int, context: int, steps: int) -> dict[str, Any]:
     jax.block_until_ready(outs[-1].tokens)
     bare = (time.perf_counter() - t0) / steps
     engine = statistics.median(t_engine[steps // 4:])
+    # The GPU's own record of both loops (empty on the CPU): kernel-busy time per step. Engine busy ~ bare busy
+    # with a longer engine period means the device waits for the host between steps; a larger engine busy means
+    # the engine's steps run more device work (copies, other shapes).
+    from benchmarks.timing import device_profile
+
+    prof = {"engine": device_profile(core.step, [()], calls=steps, top=6),
+            "bare": device_profile(bare_step, [()], calls=steps, top=6)}
+    busy = {f"{k}_busy_s": v["device_busy_s"] for k, v in prof.items() if "device_busy_s" in v}
+    kernels = {f"{k}_kernels_us": v.get("kernels_us") for k, v in prof.items() if v}
     core.abort_all()
     while core.has_work():
         core.step()
     return {"op": "engine_decode_step", "batch": batch, "context": context, "engine_step_s": engine,
             "bare_step_s": bare, "engine_over_bare": engine / bare, "steps": steps,
-            "executables": core.num_executables}
+            "executables": core.num_executables, **busy, **kernels}
 
 
 def main() -> None:

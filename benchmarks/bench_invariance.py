@@ -160,7 +160,8 @@ def main() -> None:
     if {"default", "invariant"} <= set(by_mode):
         base, inv = by_mode["default"], by_mode["invariant"]
         inv["throughput_cost"] = 1.0 - inv["output_tok_s"] / base["output_tok_s"]
-        inv["decode_step_cost"] = inv["engine_decode_step_s"] / base["engine_decode_step_s"] - 1.0
+        inv["decode_step_cost"] = (inv["engine_decode_step_s"] / base["engine_decode_step_s"] - 1.0
+                                   if base["engine_decode_step_s"] else None)
         print(json.dumps({"throughput_cost": inv["throughput_cost"], "decode_step_cost": inv["decode_step_cost"]}),
               flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -9,7 +9,8 @@
 #   slice     the m3-slice decode step at batch 1 / 32 / 128 against its HBM floor (issue 23)
 #   projection  one GPU of a TP8 / EP8 deployment with MXFP8 experts, the small-M linears, the projection (issue 23)
 #   serve     the benchmark contract through `m3jax serve` + `m3jax bench serve`, with the bare step beside it
-#             (issue 27; SERVE_FORMAT=bf16|mxfp8, prompt counts reduced to fit one call)
+#             (issue 27; SERVE_FORMAT=bf16|mxfp8, prompt counts reduced to fit one call; SERVE_SWEEPS and
+#             SERVE_PROMPTS trim it further)
 #   invariance  greedy batch invariance of the engine with and without --batch-invariant, and which XLA ops
 #             change a row's result with the row count (issue 27; each mode in its own process)
 #   structured  grammar masks at batch 64 on this host's CPUs (issue 25; llguidance has no wheel for the GPU
@@ -54,8 +55,8 @@ for what in "$@"; do
       # A call returns at most 8 files: the per-level JSON, the server log and the bare step travel as one tarball.
       fmt="${SERVE_FORMAT:-bf16}" gpu="${GPU_NAME:-h200}"
       timeout "${SERVE_TIMEOUT:-560}" python3 benchmarks/bench_serve_gpu.py --moe-format "$fmt" --gpu-name "$gpu" \
-        --sweep 1024x1024:1,8,32,64,128 --sweep 8192x1024:8,32 --prompts-per-concurrency 2 \
-        --warmups-per-concurrency 0.25 --result-dir "/tmp/serve-$fmt" --out "$OUT/serve-$gpu-$fmt.json"
+        ${SERVE_SWEEPS:---sweep 1024x1024:1,8,32,64,128 --sweep 8192x1024:8,32} \
+        --prompts-per-concurrency "${SERVE_PROMPTS:-2}" --warmups-per-concurrency 0.25 --result-dir "/tmp/serve-$fmt" --out "$OUT/serve-$gpu-$fmt.json"
       tar czf "$OUT/serve-$fmt.tgz" -C /tmp "serve-$fmt"
       ;;
     invariance)

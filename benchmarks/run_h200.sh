@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The H200 runs behind docs/benchmarks.md's GPU figures, each case fitting one device call; cases combine in one
 # call: `bash benchmarks/run_h200.sh spec step` runs both. GPU_NAME (default h200) names the serve and invariance
-# results when another card runs them.
+# results when another card runs them; MODEL (default m3-slice) picks the preset of the serve and invariance cases
+# (m3-slice-1moe fits an 80 GB H100).
 #   startup   serve cold/warm start-up, the engine's decode step, per-shape compile (issue 22)
 #   step      the engine's decode step alone (engine / bare)
 #   smoke     engine sizes that are not powers of two
@@ -54,17 +55,20 @@ for what in "$@"; do
     serve)
       # A call returns at most 8 files: the per-level JSON, the server log and the bare step travel as one tarball.
       fmt="${SERVE_FORMAT:-bf16}" gpu="${GPU_NAME:-h200}"
-      timeout "${SERVE_TIMEOUT:-560}" python3 benchmarks/bench_serve_gpu.py --moe-format "$fmt" --gpu-name "$gpu" \
+      timeout "${SERVE_TIMEOUT:-560}" python3 benchmarks/bench_serve_gpu.py --model "${MODEL:-m3-slice}" \
+        --moe-format "$fmt" --gpu-name "$gpu" \
         ${SERVE_SWEEPS:---sweep 1024x1024:1,8,32,64,128 --sweep 8192x1024:8,32} \
         --prompts-per-concurrency "${SERVE_PROMPTS:-2}" --warmups-per-concurrency 0.25 --result-dir "/tmp/serve-$fmt" --out "$OUT/serve-$gpu-$fmt.json"
       tar czf "$OUT/serve-$fmt.tgz" -C /tmp "serve-$fmt"
       ;;
     invariance)
       gpu="${GPU_NAME:-h200}"
-      timeout 100 python3 benchmarks/bench_invariance.py --ops --ops-m 1 3 64 1024 --modes \
+      model="${MODEL:-m3-slice}"
+      timeout 100 python3 benchmarks/bench_invariance.py --model "$model" --ops --ops-m 1 3 64 1024 --modes \
         --out "$OUT/invariance-ops-$gpu.json"
-      timeout 200 python3 benchmarks/bench_invariance.py --modes default --out "$OUT/invariance-default-$gpu.json"
-      timeout 280 python3 benchmarks/bench_invariance.py --modes invariant --chunked \
+      timeout 200 python3 benchmarks/bench_invariance.py --model "$model" --modes default \
+        --out "$OUT/invariance-default-$gpu.json"
+      timeout 280 python3 benchmarks/bench_invariance.py --model "$model" --modes invariant --chunked \
         --baseline "$OUT/invariance-default-$gpu.json" --out "$OUT/invariance-$gpu.json"
       ;;
     structured)

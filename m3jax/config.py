@@ -438,6 +438,9 @@ PRESETS: dict[str, M3Config] = {
     "m3-full": _preset(3, 57, **_M3_WIDTHS),
     # Real widths, few layers: what one GPU can hold for per-layer measurements.
     "m3-slice": _preset(1, 3, **_M3_WIDTHS),
+    # Real widths, one dense and one MSA + MoE layer: every kernel family at M3's shapes in what an 80 GB card
+    # holds with room for the KV cache (m3-slice's 50 GB of bf16 weights, prepared at load, need an H200).
+    "m3-slice-1moe": _preset(1, 1, **_M3_WIDTHS),
     # Everything M3 has, at a size that runs in milliseconds on a CPU. Attention and MLP kinds are
     # deliberately misaligned on one layer so code cannot confuse the two lists.
     "m3-tiny": M3Config(

@@ -109,9 +109,6 @@ def expert_structs(fmt: str) -> dict:
 
 def lower_ttir(which: str, fmt: str, tiles, tokens: int) -> tuple[str, dict]:
     """TTIR text and the custom call's settings (name, num_warps, num_stages, grid_x) of one kernel."""
-    from jax._src.lib.mlir import ir
-    from jax._src.pallas.triton import lowering as triton_lowering
-
     sds = jax.ShapeDtypeStruct
     rows, bm = tokens * SLOTS_PER_TOKEN, tiles.bm  # row blocks of the regime's own height
     nb = SLOTS_PER_TOKEN if tokens == 1 else kernel.max_row_blocks(rows, S, bm)
@@ -122,12 +119,22 @@ def lower_ttir(which: str, fmt: str, tiles, tokens: int) -> tuple[str, dict]:
             return kernel.gate_up(h, row_token, slot, rows, experts, tiles, alpha=1.702, limit=7.0)
         args = (sds((tokens, D), jnp.bfloat16), sds((nb * bm,), jnp.int32), slot, slot, experts)
     else:
-        def fn(a, slot, rows, rw, experts):
-            return kernel.down(a, slot, rows, rw, experts, tiles)
-        args = (sds((nb * bm, F), jnp.bfloat16), slot, slot, sds((nb * bm,), jnp.float32), experts)
+        def fn(a, slot, rows, experts):
+            return kernel.down(a, slot, rows, experts, tiles)
+        args = (sds((nb * bm, F), jnp.bfloat16), slot, slot, experts)
     dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="cuda")
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=dev)):
         lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+    [(text, settings)] = triton_calls(lowered)
+    return text, settings
+
+
+def triton_calls(lowered) -> list[tuple[str, dict]]:
+    """(TTIR text, settings) of every Pallas Triton custom call in a `jax.jit(...).trace(...).lower(...)` result, in
+    program order; settings: the custom call's name, num_warps, num_stages and grid_x (its backend config)."""
+    from jax._src.lib.mlir import ir
+    from jax._src.pallas.triton import lowering as triton_lowering
+
     calls = []
 
     def walk(op) -> None:
@@ -139,13 +146,17 @@ def lower_ttir(which: str, fmt: str, tiles, tokens: int) -> tuple[str, dict]:
                     walk(o.operation)
 
     walk(lowered.compiler_ir("stablehlo").operation)
-    [call] = [c for c in calls if "xla.gpu.triton" in str(c.attributes["call_target_name"])]
-    cfg = ir.DictAttr(call.attributes["mhlo.backend_config"])
-    settings = {k: (ir.StringAttr(cfg[k]).value if k == "name" else ir.IntegerAttr(cfg[k]).value)
-                for k in ("name", "num_warps", "num_stages", "grid_x")}
-    with triton_lowering._new_ir_context():
-        text = ir.Module.parse(ir.StringAttr(cfg["ir"]).value_bytes).operation.get_asm()
-    return text, settings
+    out = []
+    for call in calls:
+        if "xla.gpu.triton" not in str(call.attributes["call_target_name"]):
+            continue
+        cfg = ir.DictAttr(call.attributes["mhlo.backend_config"])
+        settings = {k: (ir.StringAttr(cfg[k]).value if k == "name" else ir.IntegerAttr(cfg[k]).value)
+                    for k in ("name", "num_warps", "num_stages", "grid_x")}
+        with triton_lowering._new_ir_context():
+            text = ir.Module.parse(ir.StringAttr(cfg["ir"]).value_bytes).operation.get_asm()
+        out.append((text, settings))
+    return out
 
 
 _SASS = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")

@@ -33,10 +33,15 @@ Params = dict[str, Any]
 
 # ---- norms and rotary embedding ----------------------------------------------------------------------------
 
-def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
-    """Gemma RMSNorm: normalise in fp32, scale by (1 + w), cast back."""
+def rms_norm(x: jax.Array, w: jax.Array, eps: float, kernels: KernelChoice | None = None) -> jax.Array:
+    """Gemma RMSNorm: normalise in fp32, scale by (1 + w), cast back. With batch-invariant kernels the mean of
+    squares is summed by a kernel whose order per row does not depend on the row count (ops.rms_norm_mean_square)."""
     v = x.astype(jnp.float32)
-    v = v * jax.lax.rsqrt(jnp.mean(v * v, axis=-1, keepdims=True) + eps)
+    if kernels is not None and kernels.batch_invariant:
+        ms = ops.rms_norm_mean_square(v, impl=kernels.attention, topology=kernels.topology)
+    else:
+        ms = jnp.mean(v * v, axis=-1, keepdims=True)
+    v = v * jax.lax.rsqrt(ms + eps)
     return (v * (1.0 + w.astype(jnp.float32))).astype(x.dtype)
 
 
@@ -78,9 +83,9 @@ def msa_select(p: Params, cfg: M3Config, h_TD: jax.Array, batch: Batch, rope: tu
     """MSA index branch: write this step's index-K, then pick blocks per (KV group, query token): [T, K, N]."""
     impl, topo, inv = kernels.attention, kernels.topology, kernels.batch_invariant
     iq = rms_norm(ops.project(h_TD, p["wq"], "index.wq", impl=impl, topology=topo, layer=layer, invariant=inv),
-                  p["q_norm"], cfg.rms_norm_eps)
+                  p["q_norm"], cfg.rms_norm_eps, kernels)
     ik = rms_norm(ops.project(h_TD, p["wk"], "index.wk", impl=impl, topology=topo, layer=layer,
-                              invariant=inv)[:, None, :], p["k_norm"], cfg.rms_norm_eps)
+                              invariant=inv)[:, None, :], p["k_norm"], cfg.rms_norm_eps, kernels)
     iq, ik = apply_rope(iq, *rope), apply_rope(ik, *rope)
     index_k = ops.write_kv_pages(index_k, ik[:, 0], batch.slot_mapping, impl=impl, topology=topo)
     blocks = ops.paged_select_blocks(iq, index_k, batch.page_table, batch.token_row, batch.positions,
@@ -100,8 +105,8 @@ def attention(p: Params, cfg: M3Config, kind: str, h_TD: jax.Array, batch: Batch
     def project(x: jax.Array, name: str) -> jax.Array:
         return ops.project(x, a[name], f"attn.{name}", impl=impl, topology=topo, layer=layer, invariant=inv)
 
-    q = rms_norm(project(h_TD, "wq"), a["q_norm"], cfg.rms_norm_eps)
-    k = rms_norm(project(h_TD, "wk"), a["k_norm"], cfg.rms_norm_eps)
+    q = rms_norm(project(h_TD, "wq"), a["q_norm"], cfg.rms_norm_eps, kernels)
+    k = rms_norm(project(h_TD, "wk"), a["k_norm"], cfg.rms_norm_eps, kernels)
     v = project(h_TD, "wv")
     q, k = apply_rope(q, *rope), apply_rope(k, *rope)  # norm before RoPE; V gets neither
     k_pages = ops.write_kv_pages(pages.k, k, batch.slot_mapping, impl=impl, topology=topo)
@@ -154,10 +159,11 @@ def decoder_layer(lp: Params, cfg: M3Config, run: LayerRun, x_TD: jax.Array, bat
                   ) -> tuple[jax.Array, LayerPages, jax.Array | None]:
     """Pre-norm residual block: x + attention(norm(x)), then + MLP(norm(x)). `lp` is layer `layer`'s weights,
     except the big matrices (`IN_PLACE`), which are the run's whole stacks."""
-    o, pages, blocks = attention(lp, cfg, run.attn, rms_norm(x_TD, lp["input_norm"], cfg.rms_norm_eps), batch,
-                                 rope, pages, reuse_blocks, recompute, kernels, layer)
+    h_TD = rms_norm(x_TD, lp["input_norm"], cfg.rms_norm_eps, kernels)
+    o, pages, blocks = attention(lp, cfg, run.attn, h_TD, batch, rope, pages, reuse_blocks, recompute, kernels, layer)
     x_TD = x_TD + o
-    x_TD = x_TD + mlp(lp, cfg, run.mlp, rms_norm(x_TD, lp["post_attn_norm"], cfg.rms_norm_eps), batch, kernels,
+    x_TD = x_TD + mlp(lp, cfg, run.mlp, rms_norm(x_TD, lp["post_attn_norm"], cfg.rms_norm_eps, kernels), batch,
+                      kernels,
                       layer)
     return x_TD, pages, blocks
 
@@ -272,9 +278,9 @@ def forward(params: Params, cfg: M3Config, kv: KVPages, batch: Batch, kernels: K
 
     hidden = None
     if all_hidden:  # the norm is per token: the logit rows are rows of every token's normed state
-        hidden = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+        hidden = rms_norm(x, params["final_norm"], cfg.rms_norm_eps, kernels)
         x = hidden[batch.logit_rows]
     else:
-        x = rms_norm(x[batch.logit_rows], params["final_norm"], cfg.rms_norm_eps)
+        x = rms_norm(x[batch.logit_rows], params["final_norm"], cfg.rms_norm_eps, kernels)
     logits = lm_head(x, params["lm_head"], kernels)
     return ForwardOutput(logits, new_kv, selections, aux, hidden)

@@ -92,9 +92,9 @@ class Settings:
     moe_kernels: str = knob("auto", "the MoE grouped GEMMs and dense MLPs (auto: Pallas on GPUs, on any number of "
                             "them, jnp references elsewhere)", KERNELS, choices=KERNEL_CHOICES, env="M3JAX_MOE_IMPL")
     batch_invariant: bool = knob(False, "experimental: run every kernel with one tile configuration whatever the "
-                                 "batch (the linears and router through the Pallas linear kernel), toward greedy "
-                                 "tokens independent of the batch on GPUs; not yet invariant there and slower: "
-                                 "docs/benchmarks.md", KERNELS)
+                                 "batch (the linears, router and norms' sums through the Pallas linear kernel), so "
+                                 "greedy tokens do not depend on the batch; shown on the CPU, not yet on GPUs, and "
+                                 "slower: docs/benchmarks.md", KERNELS)
     # ---- server ----
     host: str = knob("127.0.0.1", "address both servers bind (127.0.0.1: this machine only; 0.0.0.0: every "
                      "interface)", SERVER)

@@ -18,7 +18,7 @@ from pallas_kernels.moe import dispatch as _moe
 from pallas_kernels.topology import SINGLE, Topology
 
 __all__ = ["paged_dense_attention", "paged_select_blocks", "paged_block_sparse_attention", "write_kv_pages", "moe",
-           "dense_mlp", "project", "PROJECTION_AXES"]
+           "dense_mlp", "project", "rms_norm_mean_square", "PROJECTION_AXES"]
 
 # Logical axes of the projection weights the model runs through `project` (as declared in m3jax/params.py;
 # tests/test_sharding.py holds the two to each other): the sharded kernel path places them by the rules table.
@@ -55,6 +55,17 @@ def project(x: jax.Array, w: jax.Array, name: str, *, impl: str, topology: Topol
     if topology.sharded:
         return sharded.project(x, w, axes, impl=impl, topology=topology, layer=layer, invariant=invariant)
     return sharded.project_local(x, w, impl=impl, layer=layer, invariant=invariant)
+
+
+def rms_norm_mean_square(x: jax.Array, *, impl: str, topology: Topology = SINGLE) -> jax.Array:
+    """fp32 mean of x^2 over the last axis, [..., 1], for a batch-invariant RMS norm (`linear.dispatch.mean_square`:
+    the same sum for a row however many rows the step holds)."""
+    flat = x.reshape(-1, x.shape[-1])
+    if topology.sharded:
+        ms = sharded.mean_square(flat, impl=impl, topology=topology)
+    else:
+        ms = _linear.mean_square(flat, impl=impl)
+    return ms.reshape(*x.shape[:-1], 1)
 
 
 def dense_mlp(h_TD: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, *, alpha: float, limit: float,

@@ -50,6 +50,11 @@ def _smap(topology: Topology, fn: Callable[..., Any], in_specs: Any, out_specs: 
     return jax.shard_map(fn, mesh=topology.mesh(), in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
 
+def mean_square(x_ND: jax.Array, *, impl: str, topology: Topology) -> jax.Array:
+    """`lin.mean_square` on every device over the whole (replicated) activations."""
+    return _smap(topology, lambda x: lin.mean_square(x, impl=impl), (P(),), P())(x_ND)
+
+
 def _device(topology: Topology) -> jax.Array:
     return jax.lax.axis_index(topology.axis)
 
@@ -363,6 +368,7 @@ def moe_ep_device(h_TD: jax.Array, p: dict, *, device: jax.Array | int, num_devi
                              dense["down"], alpha=alpha, limit=limit)
     if "shared" in p and not shared_slot:
         s = p["shared"]
-        sh = xla_dense_mlp(h_TD, s["w_gate"], s["w_up"], s["w_down"], alpha=alpha, limit=limit)
+        mlp = moe_dispatch.invariant_dense_mlp(impl) if invariant and impl != "reference" else xla_dense_mlp
+        sh = mlp(h_TD, s["w_gate"], s["w_up"], s["w_down"], alpha=alpha, limit=limit)
         out = out + (sh if shared_split else jnp.where((t % n_dev == me)[:, None], sh, 0))
     return out.astype(h_TD.dtype)

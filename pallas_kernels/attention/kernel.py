@@ -40,7 +40,7 @@ LOG2E = 1.4426950408889634
 def _attention_kernel(start_ref, length_ref, row_ref, max_pos_ref, count_ref, page_table_ref, pos_ref, q_ref,
                       k_ref, v_ref, list_ref, blocks_ref, *out_refs, bt: int, hg: int, ps: int, per_split: int,
                       num_splits: int, scale: float, sparse: bool, per_token_check: bool, kt: int,
-                      heads_major: bool):
+                      heads_major: bool, mask_every_page: bool = False):
     qb, g, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     t0, n, row = start_ref[qb], length_ref[qb], row_ref[qb]
     P = page_table_ref.shape[1]
@@ -120,7 +120,7 @@ def _attention_kernel(start_ref, length_ref, row_ref, max_pos_ref, count_ref, pa
         acc_MD, m_M, l_M = lax.fori_loop(lo * steps, end * steps, functools.partial(body, masked=True), init)
     else:
         # Pages 0 .. whole-1 lie entirely at or before the block's first position: every row sees all their keys.
-        whole = jnp.clip(whole_pages(pos_B, tok_ok_B, ps), lo, end)
+        whole = lo if mask_every_page else jnp.clip(whole_pages(pos_B, tok_ok_B, ps), lo, end)
         carry = lax.fori_loop(lo * steps, whole * steps, functools.partial(body, masked=False), init)
         acc_MD, m_M, l_M = lax.fori_loop(whole * steps, end * steps, functools.partial(body, masked=True), carry)
     m_M = m_M * scale  # natural-log units for the split merge (exp(m_split - m)), as l and acc are
@@ -184,7 +184,7 @@ def ragged_paged_attention(q_THD: jax.Array, k_pages: jax.Array, v_pages: jax.Ar
     assert ps % kt == 0, (ps, kt)
     kernel = functools.partial(_attention_kernel, bt=bt, hg=hg, ps=ps, per_split=per_split, num_splits=num_splits,
                                scale=scale, sparse=sparse, per_token_check=per_token_check, kt=kt,
-                               heads_major=heads_major)
+                               heads_major=heads_major, mask_every_page=tiles.mask_every_page)
     outs = pl.pallas_call(
         kernel,
         grid=(Q, K, num_splits),

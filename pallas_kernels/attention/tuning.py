@@ -56,6 +56,10 @@ class AttentionTiles:
     # hold at most `union_max_page_ratio` pages per selected (token, group, block) pair (msa.kernel).
     union: AttentionTiles | None = None
     union_max_page_ratio: float = 0.0
+    # Dense: every page through the masked loop body, none through the unmasked one. Which pages a row sees in
+    # which body depends on the first token of its query block, i.e. on how the step cut the request, and the two
+    # bodies need not round alike (the compiler may contract `s * c - m * c` differently around the select).
+    mask_every_page: bool = False
 
 
 def pow2_at_least(x: int) -> int:
@@ -143,6 +147,8 @@ def dense_tiles(num_tokens: int, num_rows: int, pages_per_row: int, num_kv_heads
     # 8k chunk, kernel-busy, two cases in one run, 2,697 / 2,720 us against 2,883 / 2,907 us with 2
     # (attention-h200-prefill-4.json; before the unmasked whole-page loop, 2 stages had measured faster).
     # Batch-invariant: these tiles for every step, never split: a decode token is a query block of one token
-    # whose keys are visited in page order by one program, the same dot shapes as a prefill token's.
+    # whose keys are visited in page order by one program, the same dot shapes as a prefill token's; and every
+    # page through the masked body (AttentionTiles.mask_every_page).
     bt = pow2_at_least(max(1, 128 // heads_per_group))
-    return AttentionTiles(bt=bt, pages_per_split=pages_per_row, num_warps=8, num_stages=3)
+    return AttentionTiles(bt=bt, pages_per_split=pages_per_row, num_warps=8, num_stages=3,
+                          mask_every_page=invariant)

@@ -12,6 +12,7 @@ whole stack [layers, K, N] (see kernel.py); the kernel reads the layer in place,
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from pallas_kernels.choice import IMPLS
 from pallas_kernels.linear import kernel, reference
@@ -26,6 +27,20 @@ def tiles_for(m: int, k: int, n: int, impl: str, invariant: bool = False) -> Lin
 
 def uses_kernel(m: int, k: int, n: int, impl: str, invariant: bool = False) -> bool:
     return tiles_for(m, k, n, impl, invariant) is not None
+
+
+# Columns of the all-ones matrix `mean_square` multiplies by (the narrowest output tile; column 0 is used).
+_SUM_COLUMNS = 16
+
+
+def mean_square(x_ND: jax.Array, *, impl: str) -> jax.Array:
+    """fp32 mean of x^2 over the last axis, [N]: the squares summed by the linear kernel's batch-invariant tiles
+    (x^2 @ ones, full fp32 products), so a row's sum has the same order however many rows share the call. XLA's
+    row reductions need not: the CPU's regroups rows by count (tests/test_batch_invariant.py)."""
+    D = x_ND.shape[-1]
+    v = x_ND.astype(jnp.float32)
+    ones = jnp.ones((D, _SUM_COLUMNS), jnp.float32)
+    return linear(v * v, ones, impl=impl, invariant=True)[:, 0] / D
 
 
 def linear(x_MK: jax.Array, w_KN: jax.Array, *, impl: str, layer: jax.Array | int | None = None,

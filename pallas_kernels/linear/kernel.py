@@ -60,10 +60,14 @@ def linear(x_MK: jax.Array, w_KN: jax.Array, *, tiles: LinearTiles, interpret: b
     slicing w."""
     M, K = x_MK.shape
     K2, N = w_KN.shape[-2:]
-    if K != K2 or K % (tiles.bk * tiles.split) or N % tiles.bn or w_KN.ndim != 2 + (layer is not None):
+    if K != K2 or K % (tiles.bk * tiles.split) or w_KN.ndim != 2 + (layer is not None):
         raise ValueError(f"linear kernel: x {x_MK.shape} @ w {w_KN.shape} (layer {layer}) does not fit tiles {tiles}")
     row0 = jnp.zeros((1,), jnp.int32) if layer is None else jnp.reshape(jnp.asarray(layer, jnp.int32) * K, (1,))
     w_KN = w_KN.reshape(-1, N)
+    n_out = N
+    if N % tiles.bn:  # an N no tile divides (tiny configs only): zero columns up to whole tiles, cut afterwards
+        N = -(-N // tiles.bn) * tiles.bn
+        w_KN = jnp.pad(w_KN, ((0, 0), (0, N - n_out)))
     blocks = -(-M // tiles.bm)
     Mp = blocks * tiles.bm
     x = jnp.pad(x_MK, ((0, Mp - M), (0, 0))).astype(w_KN.dtype)
@@ -79,4 +83,4 @@ def linear(x_MK: jax.Array, w_KN: jax.Array, *, tiles: LinearTiles, interpret: b
     )(row0, x, w_KN)
     if tiles.split > 1:
         out = jnp.sum(out, axis=0)
-    return out[:M].astype(x_MK.dtype)
+    return out[:M, :n_out].astype(x_MK.dtype)

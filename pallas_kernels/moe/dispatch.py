@@ -16,6 +16,8 @@ prefill sizes; `pallas_kernels.ops.dense_mlp` takes the small-M linear kernel (p
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 
@@ -51,7 +53,18 @@ def moe(h_TD: jax.Array, p: dict, *, top_k: int, routed_scaling: float, alpha: f
         return reference.moe(h_TD, ref_p, top_k=top_k, routed_scaling=routed_scaling, alpha=alpha, limit=limit)
     return moe_pallas(h_TD, p, top_k=top_k, routed_scaling=routed_scaling, alpha=alpha, limit=limit,
                       interpret=impl == "interpret", layer=layer, num_valid=num_valid, tiles=tiles,
-                      router_logits=logits)
+                      router_logits=logits, **({"shared_mlp": invariant_dense_mlp(impl)} if invariant else {}))
+
+
+def invariant_dense_mlp(impl: str) -> Callable[..., jax.Array]:
+    """`dense_mlp` through the linear kernel's batch-invariant tiles (a shared expert that is no slot)."""
+    def mlp(h_TD: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, *, alpha: float,
+            limit: float) -> jax.Array:
+        kw = {"impl": impl, "invariant": True}
+        act = reference.swiglu_oai(linear(h_TD, w_gate, **kw), linear(h_TD, w_up, **kw), alpha=alpha, limit=limit)
+        return linear(act, w_down, **kw)
+
+    return mlp
 
 
 def invariant_router_logits(h_TD: jax.Array, router_DE: jax.Array, *, impl: str) -> jax.Array:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -518,13 +519,16 @@ def combine(y_MD: jax.Array, dest_TJ: jax.Array, w_TJ: jax.Array, valid_TJ: jax.
 
 def moe_pallas(h_TD: jax.Array, p: dict, *, top_k: int, routed_scaling: float, alpha: float, limit: float,
                tiles: MoeTiles | None = None, interpret: bool = False, layer: jax.Array | int | None = None,
-               num_valid: jax.Array | None = None, router_logits: jax.Array | None = None) -> jax.Array:
+               num_valid: jax.Array | None = None, router_logits: jax.Array | None = None,
+               shared_mlp: Callable[..., jax.Array] = dense_mlp) -> jax.Array:
     """Same function as `reference.moe`. Uses `p["experts"]` (checkpoints/prepare.py) when present, a run's
     whole stack with `layer`; otherwise reads the params' own w_gate/w_up/w_down (no copies) and runs the shared
     expert through `dense_mlp`. Rows from `num_valid` on (a bucket's padding) take the first row's experts:
     their outputs are never read, and routed on their own they would stream up to k more experts each (a
     batch-1 decode padded to 8 tokens: up to 8 times the weight bytes). `router_logits`: computed by the caller
-    (the batch-invariant path), else by XLA in `route`."""
+    (the batch-invariant path), else by XLA in `route`. `shared_mlp`: what runs a shared expert that is not a slot
+    (its width differs from the routed experts'): `dense_mlp`'s signature (the batch-invariant path passes the
+    linear kernel's)."""
     experts, shared_slot = experts_of(p)
     idx_TK, w_TK = route(h_TD, p["router"], p["router_bias"], top_k, router_logits)
     if num_valid is not None:
@@ -535,5 +539,5 @@ def moe_pallas(h_TD: jax.Array, p: dict, *, top_k: int, routed_scaling: float, a
                                 interpret=interpret, layer=layer if "experts" in p else None)
     if "shared" in p and not shared_slot:
         s = p["shared"]
-        out = out + dense_mlp(h_TD, s["w_gate"], s["w_up"], s["w_down"], alpha=alpha, limit=limit)
+        out = out + shared_mlp(h_TD, s["w_gate"], s["w_up"], s["w_down"], alpha=alpha, limit=limit)
     return out.astype(h_TD.dtype)

@@ -1,0 +1,146 @@
+"""Where a request's numbers first change with the batch: the layer-by-layer bisection behind issue 27.
+
+One request R (a prompt of `--prompt-len` tokens, then one decode token) is run through the bare model step in
+several batch compositions, each on a fresh page pool, and its rows are compared bitwise with R alone:
+- `with_other`: R's prompt in the same step as another request's prompt (R second, so its rows move);
+- `chunked`: R's prompt in two steps (the second half reading the first half's K/V from the pages);
+- `decode_batch`: R's decode token next to `--decode-rows - 1` other requests' decode tokens (their contexts
+  filled by a prefill step first).
+For each composition: per layer, the max |difference| of R's residual stream at the layer's input, the MSA block
+selections of R's rows per sparse layer (how many differ), and the final hidden state and logits. The first layer
+whose input differs names the layer whose ops vary with the batch; its attention or MLP half tells which family.
+
+    PYTHONPATH=. python benchmarks/bisect_invariance.py [--model m3-slice-1moe] [--batch-invariant]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def _rev() -> str:
+    return os.environ.get("M3JAX_GIT_REV") or subprocess.run(["git", "rev-parse", "--short", "HEAD"],
+                                                             capture_output=True, text=True).stdout.strip()
+
+
+def _rows_differing(a: np.ndarray, b: np.ndarray) -> int:
+    return int(np.sum(np.any(a != b, axis=tuple(range(1, a.ndim)))))
+
+
+def bisect(cfg, params, kernels, dtype, prompt_len: int, other_len: int, decode_rows: int) -> dict:
+    """{composition: comparison with R alone} (see the module docstring); `kernels` resolved, params prepared."""
+    from m3jax.api import M3Model
+    from m3jax.batch import RowPlan, build_batch
+    from m3jax.model import forward
+    from m3jax.sharding import make_rules
+
+    rules = make_rules(1)
+    kernels = kernels.on(rules.topology)
+    model = M3Model(cfg, params, rules, dtype, kernels=kernels)
+    ps = model.page_size
+    capture = tuple(range(cfg.num_layers))
+    step = jax.jit(lambda kv, batch: forward(params, cfg, kv, batch, kernels, capture=capture, all_hidden=True))
+
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, cfg.vocab_size, prompt_len).tolist()
+    other = rng.integers(0, cfg.vocab_size, other_len).tolist()
+    decode_token = int(rng.integers(0, cfg.vocab_size))
+    width = -(-(max(prompt_len, other_len) + 2) // ps)
+    def pages(i: int) -> range:
+        return range(1 + i * width, 1 + (i + 1) * width)
+
+    def run(kv, rows: list[RowPlan], num_tokens: int):
+        batch, _ = build_batch(rows, ps, num_tokens, len(rows), width)
+        out = step(kv, batch)
+        return out.kv, out
+
+    def r_rows(out, start: int, n: int) -> dict:
+        """R's rows of one step's outputs: aux hidden per layer, final hidden, selections per sparse layer."""
+        sel = {i: np.asarray(s[start:start + n]) for i, s in out.selections.items()}
+        return {"aux": np.asarray(out.aux_hidden[:, start:start + n].astype(jnp.float32)),
+                "hidden": np.asarray(out.hidden[start:start + n].astype(jnp.float32)), "sel": sel}
+
+    def compare(a: dict, b: dict) -> dict:
+        per_layer = [float(np.max(np.abs(a["aux"][i] - b["aux"][i]))) for i in range(cfg.num_layers)]
+        first = next((i for i, d in enumerate(per_layer) if d > 0), None)
+        return {"input_max_abs_diff_by_layer": per_layer, "first_layer_whose_input_differs": first,
+                "hidden_max_abs_diff": float(np.max(np.abs(a["hidden"] - b["hidden"]))),
+                "selection_rows_differing_by_layer": {str(i): _rows_differing(a["sel"][i], b["sel"][i])
+                                                      for i in a["sel"]}}
+
+    n = prompt_len
+    # R alone: the whole prompt, then its decode token.
+    kv = model.new_pages(1 + 2 * decode_rows * width)
+    kv, out = run(kv, [RowPlan(prompt, 0, pages(0))], n)
+    alone_prefill = r_rows(out, 0, n)
+    kv, out = run(kv, [RowPlan([decode_token], n, pages(0))], 1)
+    alone_decode = r_rows(out, 0, 1)
+
+    results = {}
+    # Another prompt first, R's second.
+    kv = model.new_pages(1 + 2 * decode_rows * width)
+    kv, out = run(kv, [RowPlan(other, 0, pages(1)), RowPlan(prompt, 0, pages(0))], len(other) + n)
+    results["with_other"] = compare(alone_prefill, r_rows(out, len(other), n))
+    # R's prompt in two chunks: the second half's rows.
+    half = n // 2
+    kv = model.new_pages(1 + 2 * decode_rows * width)
+    kv, _ = run(kv, [RowPlan(prompt[:half], 0, pages(0), sample=False)], half)
+    kv, out = run(kv, [RowPlan(prompt[half:], half, pages(0))], n - half)
+    second = {k: (v[:, half:] if k == "aux" else v[half:]) if k != "sel" else {i: s[half:] for i, s in v.items()}
+              for k, v in alone_prefill.items()}
+    results["chunked"] = compare(second, r_rows(out, 0, n - half))
+    # R's decode token among others' (their prompts prefilled in one step first).
+    others = [rng.integers(0, cfg.vocab_size, other_len).tolist() for _ in range(decode_rows - 1)]
+    kv = model.new_pages(1 + 2 * decode_rows * width)
+    kv, _ = run(kv, [RowPlan(prompt, 0, pages(0))], n)
+    for j, o in enumerate(others):
+        kv, _ = run(kv, [RowPlan(o, 0, pages(j + 1))], len(o))
+    rows = [RowPlan([int(rng.integers(0, cfg.vocab_size))], len(o), pages(j + 1)) for j, o in enumerate(others)]
+    kv, out = run(kv, [*rows[: len(rows) // 2], RowPlan([decode_token], n, pages(0)), *rows[len(rows) // 2:]],
+                  decode_rows)
+    results["decode_batch"] = compare(alone_decode, r_rows(out, len(rows) // 2, 1))
+    return results
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="m3-slice-1moe")
+    ap.add_argument("--prompt-len", type=int, default=300)
+    ap.add_argument("--other-len", type=int, default=200)
+    ap.add_argument("--decode-rows", type=int, default=32)
+    ap.add_argument("--batch-invariant", action="store_true")
+    ap.add_argument("--kernels", default="auto", choices=("auto", "pallas", "interpret", "reference"))
+    ap.add_argument("--out", default="benchmarks/results/bisect-invariance.json")
+    args = ap.parse_args()
+
+    from checkpoints.prepare import prepare_params
+    from m3jax.config import preset
+    from m3jax.params import init_params
+    from pallas_kernels.choice import KernelChoice
+
+    cfg = preset(args.model)
+    dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
+    kernels = KernelChoice(args.kernels, args.kernels, batch_invariant=args.batch_invariant).resolve()
+    params = init_params(cfg, dtype=dtype)
+    if kernels.moe != "reference":
+        params = prepare_params(params, "bf16", keep_reference=False)
+    results = bisect(cfg, params, kernels, dtype, args.prompt_len, args.other_len, args.decode_rows)
+    n = args.prompt_len
+    rec = {"op": "invariance_bisection", "model": args.model, "batch_invariant": args.batch_invariant,
+           "kernels": kernels.attention, "prompt_len": n, "results": results,
+           "device": jax.devices()[0].device_kind, "git_rev": _rev()}
+    print(json.dumps(rec), flush=True)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(rec, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

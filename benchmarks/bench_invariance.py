@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import time
 from pathlib import Path
 
@@ -27,10 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-
-def _rev() -> str:
-    return os.environ.get("M3JAX_GIT_REV") or subprocess.run(["git", "rev-parse", "--short", "HEAD"],
-                                                             capture_output=True, text=True).stdout.strip()
+from benchmarks.timing import git_rev
 
 
 def ops_probe(model: str, ms: list[int]) -> list[dict]:
@@ -67,7 +62,7 @@ def ops_probe(model: str, ms: list[int]) -> list[dict]:
             diff[m] = float(np.max(np.abs(row.astype(np.float64) - ref.astype(np.float64))))
         rec = {"op": "row_invariance", "case": name, "max_abs_diff_by_m": diff,
                "invariant": all(v == 0.0 for v in diff.values()), "device": jax.devices()[0].device_kind,
-               "git_rev": _rev()}
+               "git_rev": git_rev()}
         print(json.dumps(rec), flush=True)
         out.append(rec)
     return out
@@ -115,7 +110,7 @@ def engine_run(args: argparse.Namespace, invariant: bool, prompts: list[list[int
            "first_diff_alone": [next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
                                 for a, b in zip(alone, batch, strict=True)],
            "batch_s": batch_s, "output_tok_s": len(prompts) * args.output_len / batch_s,
-           "engine_decode_step_s": step_s, "device": jax.devices()[0].device_kind, "git_rev": _rev()}
+           "engine_decode_step_s": step_s, "device": jax.devices()[0].device_kind, "git_rev": git_rev()}
     if args.chunked:
         small = engine(args.chunk_budget)
         chunked = tokens(small.generate(prompts, params, use_tqdm=False))

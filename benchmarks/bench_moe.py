@@ -20,9 +20,7 @@ import argparse
 import dataclasses
 import functools
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -34,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.devicewarm import gpu_state, warm_up_device
-from benchmarks.timing import IN_GRAPH_COPIES, device_profile, fresh_like, in_graph_time
+from benchmarks.timing import IN_GRAPH_COPIES, device_profile, fresh_like, git_rev, in_graph_time
 from pallas_kernels.moe import kernel, layout, reference
 from pallas_kernels.moe.tiles import INTERPRET_TILES, KernelTiles, MoeTiles, pick_tiles, regime
 
@@ -182,17 +180,6 @@ def make_weights(key: jax.Array, E: int, D: int, F: int, dtype: jnp.dtype) -> di
             "down": (jax.random.normal(ks[4], (E + 1, F, D), jnp.float32) / np.sqrt(F)).astype(dtype),
         },
     }
-
-
-def git_rev() -> str:
-    if os.environ.get("M3JAX_GIT_REV"):
-        return os.environ["M3JAX_GIT_REV"]
-    try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True).stdout.strip()
-        return rev + ("-dirty" if dirty else "")
-    except OSError:
-        return "unknown"
 
 
 def main() -> None:

@@ -103,6 +103,19 @@ def main() -> None:
     head = jax.jit(lambda x, w: x @ w)
     rev = os.environ.get("M3JAX_GIT_REV") or subprocess.run(["git", "rev-parse", "--short", "HEAD"],
                                                             capture_output=True, text=True).stdout.strip()
+    def first_step(kv, batch) -> tuple[dict, object, float]:
+        """(state holding the pool, a synchronous step on `batch`, the first call's seconds: the compile)."""
+        state = {"kv": kv}
+
+        def run() -> None:
+            out = model.step(state["kv"], batch)
+            state["kv"] = out.kv
+            jax.block_until_ready(out.logits)
+
+        t = time.perf_counter()
+        run()
+        return state, run, time.perf_counter() - t
+
     def measure(B: int) -> dict:
         width = -(-(args.context + 2) // ps)
         key = jax.random.key(B)
@@ -115,16 +128,7 @@ def main() -> None:
         rows = [RowPlan([int(t)], args.context, range(1 + b * width, 1 + (b + 1) * width))
                 for b, t in enumerate(np.random.default_rng(B).integers(0, cfg.vocab_size, B))]
         batch, _ = build_batch(rows, ps, B, B, width)
-        state = {"kv": kv}
-
-        def run() -> None:
-            out = model.step(state["kv"], batch)
-            state["kv"] = out.kv
-            jax.block_until_ready(out.logits)
-
-        t = time.perf_counter()
-        run()
-        compile_s = time.perf_counter() - t
+        state, run, compile_s = first_step(kv, batch)
         step_s = timeit(run)
 
         def step_only():  # no host sync per step: the GPU trace's kernel-busy time of one step
@@ -159,16 +163,7 @@ def main() -> None:
         kv = model.new_pages(1 + width)
         tokens = np.random.default_rng(n).integers(0, cfg.vocab_size, n).tolist()
         batch, _ = build_batch([RowPlan(tokens, 0, range(1, 1 + width))], ps, n, 1, width)
-        state = {"kv": kv}
-
-        def run() -> None:
-            out = model.step(state["kv"], batch)
-            state["kv"] = out.kv
-            jax.block_until_ready(out.logits)
-
-        t = time.perf_counter()
-        run()
-        compile_s = time.perf_counter() - t
+        _, run, compile_s = first_step(kv, batch)
         return {"op": "m3_slice_prefill", "shape": {"tokens": n, "layers": cfg.num_layers},
                 "moe_format": args.moe_format, "time_s": timeit(run), "compile_s": compile_s,
                 "device": jax.devices()[0].device_kind, "git_rev": rev, "jax": jax.__version__}

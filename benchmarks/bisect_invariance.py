@@ -17,18 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-
-def _rev() -> str:
-    return os.environ.get("M3JAX_GIT_REV") or subprocess.run(["git", "rev-parse", "--short", "HEAD"],
-                                                             capture_output=True, text=True).stdout.strip()
+from benchmarks.timing import git_rev
 
 
 def _rows_differing(a: np.ndarray, b: np.ndarray) -> int:
@@ -136,7 +131,7 @@ def main() -> None:
     n = args.prompt_len
     rec = {"op": "invariance_bisection", "model": args.model, "batch_invariant": args.batch_invariant,
            "kernels": kernels.attention, "prompt_len": n, "results": results,
-           "device": jax.devices()[0].device_kind, "git_rev": _rev()}
+           "device": jax.devices()[0].device_kind, "git_rev": git_rev()}
     print(json.dumps(rec), flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(rec, indent=2) + "\n")

@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks import kernel_sass
+from benchmarks.timing import git_rev
 from pallas_kernels.gpu_lowering import abstract_gpu
 
 TARGETS = ("gfx942", "gfx950")
@@ -89,15 +90,6 @@ json.dump({"shared": k.metadata.shared, "triton": triton.__version__}, open(f"{o
 """
 
 _TRITON_VERSION = "import triton; print(triton.__version__)"
-
-
-def git_rev() -> str:
-    try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True).stdout.strip()
-        return rev + ("-dirty" if dirty else "")
-    except OSError:
-        return "unknown"
 
 
 def lower_op(fn: Callable, *args: jax.ShapeDtypeStruct) -> list[tuple[str, dict]]:

@@ -12,7 +12,9 @@
 from __future__ import annotations
 
 import glob
+import os
 import statistics
+import subprocess
 import tempfile
 import time
 from collections import defaultdict
@@ -94,3 +96,16 @@ def device_profile(fn: Callable[..., Any], arg_sets: Sequence[tuple], *, calls: 
     ranked = sorted(per_kernel.items(), key=lambda kv: -kv[1])
     return {"device_busy_s": busy, "kernels_us": {k[:80]: round(v / calls * 1e6, 2) for k, v in ranked[:top]},
             "kernels_per_call": events / calls, "trace_lines": sorted({ln.name for ln in streams})[:6]}
+
+
+def git_rev() -> str:
+    """The revision results record: M3JAX_GIT_REV (set on the GPU machine, which has no .git), else git's short
+    hash with -dirty for uncommitted changes."""
+    if os.environ.get("M3JAX_GIT_REV"):
+        return os.environ["M3JAX_GIT_REV"]
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True).stdout.strip()
+        return rev + ("-dirty" if dirty else "")
+    except OSError:
+        return "unknown"

@@ -162,9 +162,8 @@ def decoder_layer(lp: Params, cfg: M3Config, run: LayerRun, x_TD: jax.Array, bat
     h_TD = rms_norm(x_TD, lp["input_norm"], cfg.rms_norm_eps, kernels)
     o, pages, blocks = attention(lp, cfg, run.attn, h_TD, batch, rope, pages, reuse_blocks, recompute, kernels, layer)
     x_TD = x_TD + o
-    x_TD = x_TD + mlp(lp, cfg, run.mlp, rms_norm(x_TD, lp["post_attn_norm"], cfg.rms_norm_eps, kernels), batch,
-                      kernels,
-                      layer)
+    h_TD = rms_norm(x_TD, lp["post_attn_norm"], cfg.rms_norm_eps, kernels)
+    x_TD = x_TD + mlp(lp, cfg, run.mlp, h_TD, batch, kernels, layer)
     return x_TD, pages, blocks
 
 

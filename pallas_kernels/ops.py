@@ -84,11 +84,8 @@ def dense_mlp(h_TD: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.A
     if topology.sharded:
         return sharded.dense_mlp(h_TD, w_gate, w_up, w_down, alpha=alpha, limit=limit, impl=impl, topology=topology,
                                  layer=layer, invariant=invariant)
-    from pallas_kernels.moe.reference import swiglu_oai
-
-    kw = {"impl": impl, "layer": layer, "invariant": invariant}
-    act = swiglu_oai(_linear.linear(h_TD, w_gate, **kw), _linear.linear(h_TD, w_up, **kw), alpha=alpha, limit=limit)
-    return _linear.linear(act, w_down, **kw)
+    return _moe.kernel_dense_mlp(h_TD, w_gate, w_up, w_down, alpha=alpha, limit=limit, impl=impl, layer=layer,
+                                 invariant=invariant)
 
 
 def paged_dense_attention(q_THD: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table_RN: jax.Array,

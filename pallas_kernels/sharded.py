@@ -30,7 +30,7 @@ from pallas_kernels.moe import dispatch as moe_dispatch
 from pallas_kernels.moe import layout
 from pallas_kernels.moe.kernel import experts_of, kernel_tiles, pairs_pallas
 from pallas_kernels.moe.reference import dense_mlp as xla_dense_mlp
-from pallas_kernels.moe.reference import route, routed_experts, swiglu_oai
+from pallas_kernels.moe.reference import route, routed_experts
 from pallas_kernels.moe.tiles import invariant_tiles
 from pallas_kernels.topology import Topology
 
@@ -230,9 +230,8 @@ def dense_mlp(h_TD: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.A
     rows = P(*lead, *rows_spec)
 
     def local(h, g, u, d, ll):
-        kw = {"impl": impl, "layer": ll if stacked else None, "invariant": invariant}
-        act = swiglu_oai(lin.linear(h, g, **kw), lin.linear(h, u, **kw), alpha=alpha, limit=limit)
-        y = lin.linear(act, d, **kw)
+        y = moe_dispatch.kernel_dense_mlp(h, g, u, d, alpha=alpha, limit=limit, impl=impl,
+                                          layer=ll if stacked else None, invariant=invariant)
         return jax.lax.psum(y, topology.axis) if summed else y
 
     return _smap(topology, local, (P(), cols, cols, rows, P()), P())(h_TD, w_gate, w_up, w_down, _layer_arg(layer))
@@ -337,9 +336,8 @@ def moe_ep_device(h_TD: jax.Array, p: dict, *, device: jax.Array | int, num_devi
     slots = layout.num_slots(experts)  # local slots: El, or El + 1 with the shared expert stacked
     shared_slot = "experts" in p and slots == El + 1
 
-    logits = moe_dispatch.invariant_router_logits(h_TD, p["router"], impl=impl) if (
-        invariant and impl != "reference") else None
-    idx_TK, w_TK = route(h_TD, p["router"], p["router_bias"], top_k, logits)
+    routing = moe_dispatch.invariant_routing(h_TD, p, impl) if invariant and impl != "reference" else {}
+    idx_TK, w_TK = route(h_TD, p["router"], p["router_bias"], top_k, routing.get("router_logits"))
     t = jnp.arange(T, dtype=jnp.int32)
     pad_T = t >= num_valid
     idx_TK = jnp.where(pad_T[:, None], idx_TK[:1], idx_TK)  # padding rows: the first row's experts (moe_pallas)
@@ -368,7 +366,7 @@ def moe_ep_device(h_TD: jax.Array, p: dict, *, device: jax.Array | int, num_devi
                              dense["down"], alpha=alpha, limit=limit)
     if "shared" in p and not shared_slot:
         s = p["shared"]
-        mlp = moe_dispatch.invariant_dense_mlp(impl) if invariant and impl != "reference" else xla_dense_mlp
-        sh = mlp(h_TD, s["w_gate"], s["w_up"], s["w_down"], alpha=alpha, limit=limit)
+        sh = routing.get("shared_mlp", xla_dense_mlp)(h_TD, s["w_gate"], s["w_up"], s["w_down"], alpha=alpha,
+                                                       limit=limit)
         out = out + (sh if shared_split else jnp.where((t % n_dev == me)[:, None], sh, 0))
     return out.astype(h_TD.dtype)

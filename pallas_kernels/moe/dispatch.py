@@ -16,7 +16,7 @@ prefill sizes; `pallas_kernels.ops.dense_mlp` takes the small-M linear kernel (p
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -39,10 +39,9 @@ def moe(h_TD: jax.Array, p: dict, *, top_k: int, routed_scaling: float, alpha: f
     `invariant`: the batch-invariant tiles (tiles.invariant_tiles) instead of the table's for this T."""
     if impl not in IMPLS:
         raise ValueError(f"MoE impl {impl!r}: expected one of {IMPLS} (resolve the KernelChoice first)")
-    tiles = logits = None
+    tiles = None
     if impl != "reference" and invariant:
         tiles = invariant_tiles(layout.weight_format(experts_of(p)[0]), interpret=impl == "interpret")
-        logits = invariant_router_logits(h_TD, p["router"], impl=impl)
     if impl != "reference" and kernel_tiles(h_TD.shape[0], experts_of(p)[0], tiles=tiles) is None:
         impl = "reference"  # shapes no tile divides (tiny test configs; MXFP4 needs K % 128 == 0)
     if impl == "reference":
@@ -53,18 +52,25 @@ def moe(h_TD: jax.Array, p: dict, *, top_k: int, routed_scaling: float, alpha: f
         return reference.moe(h_TD, ref_p, top_k=top_k, routed_scaling=routed_scaling, alpha=alpha, limit=limit)
     return moe_pallas(h_TD, p, top_k=top_k, routed_scaling=routed_scaling, alpha=alpha, limit=limit,
                       interpret=impl == "interpret", layer=layer, num_valid=num_valid, tiles=tiles,
-                      router_logits=logits, **({"shared_mlp": invariant_dense_mlp(impl)} if invariant else {}))
+                      **(invariant_routing(h_TD, p, impl) if invariant else {}))
 
 
-def invariant_dense_mlp(impl: str) -> Callable[..., jax.Array]:
-    """`dense_mlp` through the linear kernel's batch-invariant tiles (a shared expert that is no slot)."""
-    def mlp(h_TD: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, *, alpha: float,
-            limit: float) -> jax.Array:
-        kw = {"impl": impl, "invariant": True}
-        act = reference.swiglu_oai(linear(h_TD, w_gate, **kw), linear(h_TD, w_up, **kw), alpha=alpha, limit=limit)
-        return linear(act, w_down, **kw)
+def kernel_dense_mlp(h_TD: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, *, alpha: float,
+                     limit: float, impl: str, layer: jax.Array | int | None = None,
+                     invariant: bool = False) -> jax.Array:
+    """`dense_mlp` through the linear kernel (its small-M tiles, or the batch-invariant ones at any M); `layer`:
+    the weights are a scan's stacks, read at that layer. Callers check `linear.dispatch.uses_kernel` first."""
+    kw = {"impl": impl, "layer": layer, "invariant": invariant}
+    act = reference.swiglu_oai(linear(h_TD, w_gate, **kw), linear(h_TD, w_up, **kw), alpha=alpha, limit=limit)
+    return linear(act, w_down, **kw)
 
-    return mlp
+
+def invariant_routing(h_TD: jax.Array, p: dict, impl: str) -> dict:
+    """moe_pallas' keyword arguments for the batch-invariant path: the router logits and an unslotted shared
+    expert through the linear kernel's invariant tiles (XLA's GEMMs may regroup a row's sum with T, and a flipped
+    logit re-routes a token)."""
+    return {"router_logits": invariant_router_logits(h_TD, p["router"], impl=impl),
+            "shared_mlp": functools.partial(kernel_dense_mlp, impl=impl, invariant=True)}
 
 
 def invariant_router_logits(h_TD: jax.Array, router_DE: jax.Array, *, impl: str) -> jax.Array:

@@ -64,8 +64,14 @@ for what in "$@"; do
     invariance)
       gpu="${GPU_NAME:-h200}"
       model="${MODEL:-m3-slice}"
-      timeout 100 python3 benchmarks/bench_invariance.py --model "$model" --ops --ops-m 1 3 64 1024 --modes \
-        --out "$OUT/invariance-ops-$gpu.json"
+      if [ "${OPS:-1}" = 1 ]; then
+        timeout 100 python3 benchmarks/bench_invariance.py --model "$model" --ops --ops-m 1 3 64 1024 --modes \
+          --out "$OUT/invariance-ops-$gpu.json"
+      fi
+      if [ "${BISECT:-1}" = 1 ]; then  # which layer / op family still varies with the batch, under the flag
+        PYTHONPATH=. timeout 150 python3 benchmarks/bisect_invariance.py --model "$model" --batch-invariant \
+          --out "$OUT/bisect-invariance-$gpu.json"
+      fi
       timeout 200 python3 benchmarks/bench_invariance.py --model "$model" --modes default \
         --out "$OUT/invariance-default-$gpu.json"
       timeout 280 python3 benchmarks/bench_invariance.py --model "$model" --modes invariant --chunked \

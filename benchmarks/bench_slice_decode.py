@@ -81,6 +81,8 @@ def main() -> None:
     ap.add_argument("--prefill-lens", type=int, nargs="*", default=[],
                     help="also time one request's whole prompt of each length in one step (the bare prefill "
                          "behind a served request's time to first token)")
+    ap.add_argument("--batch-invariant", action="store_true",
+                    help="the kernels' batch-invariant mode (issue 27): where its cost goes, kernel by kernel")
     ap.add_argument("--out", default="benchmarks/results/slice-decode-h200.json")
     args = ap.parse_args()
 
@@ -90,6 +92,7 @@ def main() -> None:
     from m3jax.config import preset
     from m3jax.params import init_params
     from m3jax.sharding import make_rules
+    from pallas_kernels.choice import KernelChoice
 
     cfg = preset(args.preset)
     t0 = time.perf_counter()
@@ -98,7 +101,8 @@ def main() -> None:
         params = prepare_params(params, args.moe_format, keep_reference=False)
     jax.block_until_ready(params)
     print(f"params ready in {time.perf_counter() - t0:.1f}s", flush=True)
-    model = M3Model(cfg, params, make_rules(1), jnp.bfloat16)
+    model = M3Model(cfg, params, make_rules(1), jnp.bfloat16,
+                    kernels=KernelChoice("auto", "auto", batch_invariant=args.batch_invariant))
     ps = model.page_size
     head = jax.jit(lambda x, w: x @ w)
     rev = os.environ.get("M3JAX_GIT_REV") or subprocess.run(["git", "rev-parse", "--short", "HEAD"],
@@ -136,7 +140,7 @@ def main() -> None:
             state["kv"] = out.kv
             return out.logits
 
-        prof = device_profile(step_only, [()], calls=10, top=12)
+        prof = device_profile(step_only, [()], calls=10, top=16)
         x = jnp.ones((B, cfg.hidden_size), jnp.bfloat16)
         head_s = timeit(lambda: jax.block_until_ready(head(x, params["lm_head"])))
         head_busy = device_profile(head, [(x, params["lm_head"])], calls=10).get("device_busy_s", head_s)
@@ -146,7 +150,7 @@ def main() -> None:
         layer_floor = (b["total"] - b["lm_head"]) / cfg.num_layers / bw
         per_layer = (step_s - head_s) / cfg.num_layers
         return {"op": "m3_slice_decode_step", "shape": {"batch": B, "context": args.context, "layers": cfg.num_layers},
-                "moe_format": args.moe_format,
+                "moe_format": args.moe_format, "batch_invariant": args.batch_invariant,
                 "time_s": step_s, "floor_s": floor_s, "ratio": step_s / floor_s, "lm_head_time_s": head_s,
                 "per_layer_time_s": per_layer, "per_layer_floor_s": layer_floor,
                 "per_layer_ratio": per_layer / layer_floor, "bytes": b, "compile_s": compile_s,
@@ -165,7 +169,8 @@ def main() -> None:
         batch, _ = build_batch([RowPlan(tokens, 0, range(1, 1 + width))], ps, n, 1, width)
         _, run, compile_s = first_step(kv, batch)
         return {"op": "m3_slice_prefill", "shape": {"tokens": n, "layers": cfg.num_layers},
-                "moe_format": args.moe_format, "time_s": timeit(run), "compile_s": compile_s,
+                "moe_format": args.moe_format, "batch_invariant": args.batch_invariant, "time_s": timeit(run),
+                "compile_s": compile_s,
                 "device": jax.devices()[0].device_kind, "git_rev": rev, "jax": jax.__version__}
 
     results = []

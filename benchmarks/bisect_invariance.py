@@ -112,6 +112,8 @@ def main() -> None:
     ap.add_argument("--other-len", type=int, default=200)
     ap.add_argument("--decode-rows", type=int, default=32)
     ap.add_argument("--batch-invariant", action="store_true")
+    ap.add_argument("--dtype", default=None, choices=("bf16", "fp32"),
+                    help="activation/weight dtype (default: bf16 on the GPU, fp32 elsewhere)")
     ap.add_argument("--kernels", default="auto", choices=("auto", "pallas", "interpret", "reference"))
     ap.add_argument("--out", default="benchmarks/results/bisect-invariance.json")
     args = ap.parse_args()
@@ -122,7 +124,8 @@ def main() -> None:
     from pallas_kernels.choice import KernelChoice
 
     cfg = preset(args.model)
-    dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
+    on_gpu = jax.default_backend() == "gpu"
+    dtype = jnp.bfloat16 if (args.dtype or ("bf16" if on_gpu else "fp32")) == "bf16" else jnp.float32
     kernels = KernelChoice(args.kernels, args.kernels, batch_invariant=args.batch_invariant).resolve()
     params = init_params(cfg, dtype=dtype)
     if kernels.moe != "reference":
@@ -130,7 +133,7 @@ def main() -> None:
     results = bisect(cfg, params, kernels, dtype, args.prompt_len, args.other_len, args.decode_rows)
     n = args.prompt_len
     rec = {"op": "invariance_bisection", "model": args.model, "batch_invariant": args.batch_invariant,
-           "kernels": kernels.attention, "prompt_len": n, "results": results,
+           "kernels": kernels.attention, "dtype": jnp.dtype(dtype).name, "prompt_len": n, "results": results,
            "device": jax.devices()[0].device_kind, "git_rev": git_rev()}
     print(json.dumps(rec), flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -5,6 +5,7 @@
 # (m3-slice-1moe fits an 80 GB H100).
 #   startup   serve cold/warm start-up, the engine's decode step, per-shape compile (issue 22)
 #   step      the engine's decode step alone (engine / bare)
+#   invcost   the bare decode step and a 1k prefill with and without --batch-invariant, kernel by kernel (issue 27)
 #   smoke     engine sizes that are not powers of two
 #   spec      a speculative step's cost against a plain decode step, and the projected speed-up (issue 24)
 #   slice     the m3-slice decode step at batch 1 / 32 / 128 against its HBM floor (issue 23)
@@ -33,8 +34,14 @@ for what in "$@"; do
       timeout 150 python3 benchmarks/bench_startup.py shapes --buckets 256 8192 --out "$OUT/startup-shapes-h200.json"
       ;;
     step)
-      timeout "${STEP_TIMEOUT:-150}" python3 benchmarks/bench_engine_step.py --model m3-slice --batches 32 128 \
-        --context 1024 --max-num-batched-tokens 256 --out "$OUT/engine-step-h200.json"
+      timeout "${STEP_TIMEOUT:-150}" python3 benchmarks/bench_engine_step.py --model "${MODEL:-m3-slice}" \
+        --batches 32 128 --context 1024 --max-num-batched-tokens 256 --out "$OUT/engine-step-${GPU_NAME:-h200}.json"
+      ;;
+    invcost)
+      for flag in "" --batch-invariant; do
+        timeout 150 python3 benchmarks/bench_slice_decode.py --preset "${MODEL:-m3-slice}" --batches 1 32 128 \
+          --context 1024 --prefill-lens 1024 $flag --out "$OUT/slice-decode-${GPU_NAME:-h200}$flag.json"
+      done
       ;;
     smoke)
       timeout "${SMOKE_TIMEOUT:-560}" python3 benchmarks/smoke_sizes.py --model m3-slice \

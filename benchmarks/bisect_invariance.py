@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from pathlib import Path
 
 import jax
@@ -54,7 +55,10 @@ def bisect(cfg, params, kernels, dtype, prompt_len: int, other_len: int, decode_
 
     def run(kv, rows: list[RowPlan], num_tokens: int):
         batch, _ = build_batch(rows, ps, num_tokens, len(rows), width)
+        t = time.perf_counter()
         out = step(kv, batch)
+        jax.block_until_ready(out.hidden)
+        print(f"[bisect] step of {num_tokens} tokens / {len(rows)} rows: {time.perf_counter() - t:.1f} s", flush=True)
         return out.kv, out
 
     def r_rows(out, start: int, n: int) -> dict:
@@ -127,9 +131,12 @@ def main() -> None:
     on_gpu = jax.default_backend() == "gpu"
     dtype = jnp.bfloat16 if (args.dtype or ("bf16" if on_gpu else "fp32")) == "bf16" else jnp.float32
     kernels = KernelChoice(args.kernels, args.kernels, batch_invariant=args.batch_invariant).resolve()
+    t = time.perf_counter()
     params = init_params(cfg, dtype=dtype)
     if kernels.moe != "reference":
         params = prepare_params(params, "bf16", keep_reference=False)
+    jax.block_until_ready(params)
+    print(f"[bisect] params ready in {time.perf_counter() - t:.1f} s", flush=True)
     results = bisect(cfg, params, kernels, dtype, args.prompt_len, args.other_len, args.decode_rows)
     n = args.prompt_len
     rec = {"op": "invariance_bisection", "model": args.model, "batch_invariant": args.batch_invariant,

@@ -76,13 +76,15 @@ for what in "$@"; do
           --out "$OUT/invariance-ops-$gpu.json"
       fi
       if [ "${BISECT:-1}" = 1 ]; then  # which layer / op family still varies with the batch, under the flag
-        PYTHONPATH=. timeout 150 python3 benchmarks/bisect_invariance.py --model "$model" --batch-invariant \
+        timeout 400 python3 benchmarks/bisect_invariance.py --model "$model" --batch-invariant \
           --out "$OUT/bisect-invariance-$gpu.json"
       fi
-      timeout 200 python3 benchmarks/bench_invariance.py --model "$model" --modes default \
-        --out "$OUT/invariance-default-$gpu.json"
+      baseline="${BASELINE:-$OUT/invariance-default-$gpu.json}"  # BASELINE: an earlier default-mode record
+      if [ -z "${BASELINE:-}" ]; then
+        timeout 200 python3 benchmarks/bench_invariance.py --model "$model" --modes default --out "$baseline"
+      fi
       timeout 280 python3 benchmarks/bench_invariance.py --model "$model" --modes invariant --chunked \
-        --baseline "$OUT/invariance-default-$gpu.json" --out "$OUT/invariance-$gpu.json"
+        --baseline "$baseline" --out "$OUT/invariance-$gpu.json"
       ;;
     structured)
       timeout "${STRUCTURED_TIMEOUT:-150}" python3 benchmarks/bench_structured.py --batch 64 \

@@ -38,7 +38,7 @@ def test_invariant_tiles_ignore_the_batch():
     assert len({tuning.dense_tiles(t, r, 64, 4, 16) for t, r in STEPS}) > 1
     for k, n in [(6144, 8192), (8192, 6144), (6144, 128), (6144, 200064)]:
         tiles = {pick_tiles(m, k, n, invariant=True) for m in (1, 3, 64, 65, 4096, 8192)}
-        assert len(tiles) == 1 and next(iter(tiles)).split == 1
+        assert len(tiles) == 1  # the K split too: it comes from K and N alone
     assert pick_tiles(4096, 6144, 8192) is None  # without the flag, prefill sizes are XLA's
     for fmt in ("dense", "mxfp8", "mxfp4"):
         t = invariant_tiles(fmt)
@@ -57,6 +57,24 @@ def test_linear_kernel_any_rows(m):
     np.testing.assert_allclose(got, x[:m] @ w, rtol=1e-5, atol=1e-4)
     one = linear_dispatch.linear(x[:1], w, impl="interpret", invariant=True)
     np.testing.assert_array_equal(np.asarray(got[:1]), np.asarray(one))
+
+
+def test_linear_split_inside_or_across_programs_is_the_same_sum(monkeypatch):
+    """The invariant tiles' K split runs across programs at few rows and inside each program at many (where the
+    grid is full without it): the same partials added in the same order, so a row's bits do not move between
+    the two. (Fewer multiprocessors make 130 rows count as many.)"""
+    from pallas_kernels.linear import kernel as linear_kernel
+    monkeypatch.setattr(linear_kernel, "NUM_SMS", 4)
+    key = jax.random.key(3)
+    x = jax.random.normal(key, (130, 256), jnp.bfloat16)
+    w = jax.random.normal(jax.random.fold_in(key, 1), (256, 192), jnp.bfloat16)
+    tiles = pick_tiles(130, 256, 192, invariant=True)
+    assert tiles.split > 1
+    assert linear_kernel._in_program(tiles, 3, 192 // tiles.bn) and not linear_kernel._in_program(tiles, 1, 1)
+    many = linear_dispatch.linear(x, w, impl="interpret", invariant=True)
+    one = linear_dispatch.linear(x[:1], w[:, :64], impl="interpret", invariant=True)
+    np.testing.assert_array_equal(np.asarray(many[:1, :64]), np.asarray(one))
+    np.testing.assert_allclose(np.asarray(many, np.float32), np.asarray(x @ w, np.float32), rtol=2e-2, atol=0.1)
 
 
 # m3-tiny widened so that the kernels' tiles divide it (as tests/test_sharding.py does).

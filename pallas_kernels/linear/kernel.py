@@ -3,9 +3,15 @@
 Grid (row blocks x N tiles, K splits). Program (j, s) accumulates x[:, K range s] @ w[K range s, j-th bn columns]
 in fp32 over `bk`-deep pipelined steps, all bm rows of x against each weight tile (the weight is read exactly once
 across the grid, x once per program: it is tiny). Unsplit, it writes its tile in the output dtype; split, its fp32
-partial [split, bm, N], summed by XLA afterwards in split order (deterministic; at M <= 64 the partials are a few
+partial [split, bm, N], the partials then added by XLA one after another in split order (at M <= 64 they are a few
 percent of the weight's bytes and are read back from L2). Several row blocks (the batch-invariant tiles at prefill
 sizes, tiles.invariant_tiles) run in groups of ROW_GROUP, each group's blocks N tile by N tile.
+
+A split is a fixed grouping of K, so it can also run inside one program: the same partials, each from zero over
+its K range, added in the same order in registers. That is what a grid with enough programs without the split
+does (`_in_program`): the batch-invariant tiles keep one split at every M (their sums must not regroup with the
+row count) but need it spread over programs only at decode sizes; at prefill sizes spreading it would write
+split x the output in fp32 partials.
 
 `layer`: w is a scan's whole stack [layers, K, N] and the kernel reads layer `layer`'s rows of it (a free reshape to
 [layers * K, N] and a row offset), because a scan-sliced operand of a custom call is copied into a buffer of its own
@@ -22,6 +28,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.attention.tuning import NUM_SMS
 from pallas_kernels.linear.tiles import LinearTiles
 from pallas_kernels.moe.tiles import block_and_tile
 
@@ -31,26 +38,36 @@ ROW_GROUP = 8
 
 
 def _linear_kernel(row0_ref, x_ref, w_ref, o_ref, *, bm: int, bn: int, bk: int, per_split: int, split: int,
-                   blocks: int):
-    s = pl.program_id(1)
+                   blocks: int, in_program: bool):
     b, j = block_and_tile(pl.program_id(0), blocks, o_ref.shape[-1] // bn, ROW_GROUP)
     n0 = pl.multiple_of(j * bn, bn)
     m0 = pl.multiple_of(b * bm, bm)
     row0 = row0_ref[0]  # the layer's first row of a stacked weight (0 when unstacked)
 
-    def step(i, acc):
-        k0 = pl.multiple_of((s * per_split + i) * bk, bk)
-        w = w_ref[pl.ds(pl.multiple_of(row0 + k0, bk), bk), pl.ds(n0, bn)]
-        # fp32 weights (the router) multiply in full fp32, not TF32: the dot XLA's reference computes.
-        precision = lax.Precision.HIGHEST if w.dtype == jnp.float32 else None
-        return acc + jnp.dot(x_ref[pl.ds(m0, bm), pl.ds(k0, bk)], w, preferred_element_type=jnp.float32,
-                             precision=precision)
+    def partial(s):
+        """fp32 x[rows, K range s] @ w[K range s, columns], from zero, bk at a time."""
+        def step(i, acc):
+            k0 = pl.multiple_of((s * per_split + i) * bk, bk)
+            w = w_ref[pl.ds(pl.multiple_of(row0 + k0, bk), bk), pl.ds(n0, bn)]
+            # fp32 weights (the router) multiply in full fp32, not TF32: the dot XLA's reference computes.
+            precision = lax.Precision.HIGHEST if w.dtype == jnp.float32 else None
+            return acc + jnp.dot(x_ref[pl.ds(m0, bm), pl.ds(k0, bk)], w, preferred_element_type=jnp.float32,
+                                 precision=precision)
 
-    acc = lax.fori_loop(0, per_split, step, jnp.zeros((bm, bn), jnp.float32))
-    if split == 1:
+        return lax.fori_loop(0, per_split, step, jnp.zeros((bm, bn), jnp.float32))
+
+    if split == 1 or in_program:
+        acc = partial(0)
+        for s in range(1, split):  # the split's partials in split order, as `linear` adds the spread ones
+            acc = acc + partial(s)
         o_ref[pl.ds(m0, bm), pl.ds(n0, bn)] = acc.astype(o_ref.dtype)
     else:
-        o_ref[s, pl.ds(m0, bm), pl.ds(n0, bn)] = acc
+        o_ref[pl.program_id(1), pl.ds(m0, bm), pl.ds(n0, bn)] = partial(pl.program_id(1))
+
+
+def _in_program(tiles: LinearTiles, blocks: int, n_tiles: int) -> bool:
+    """Whether a split runs inside each program: when the grid already has enough programs without it."""
+    return tiles.split > 1 and blocks * n_tiles >= 2 * NUM_SMS
 
 
 def linear(x_MK: jax.Array, w_KN: jax.Array, *, tiles: LinearTiles, interpret: bool = False,
@@ -71,16 +88,20 @@ def linear(x_MK: jax.Array, w_KN: jax.Array, *, tiles: LinearTiles, interpret: b
     blocks = -(-M // tiles.bm)
     Mp = blocks * tiles.bm
     x = jnp.pad(x_MK, ((0, Mp - M), (0, 0))).astype(w_KN.dtype)
-    shape = (Mp, N) if tiles.split == 1 else (tiles.split, Mp, N)
+    in_program = _in_program(tiles, blocks, N // tiles.bn)
+    spread = tiles.split if tiles.split > 1 and not in_program else 1
+    shape = (Mp, N) if spread == 1 else (spread, Mp, N)
     out = pl.pallas_call(
         functools.partial(_linear_kernel, bm=tiles.bm, bn=tiles.bn, bk=tiles.bk,
-                          per_split=K // tiles.bk // tiles.split, split=tiles.split, blocks=blocks),
-        out_shape=jax.ShapeDtypeStruct(shape, x_MK.dtype if tiles.split == 1 else jnp.float32),
-        grid=(blocks * (N // tiles.bn), tiles.split),
+                          per_split=K // tiles.bk // tiles.split, split=tiles.split, blocks=blocks,
+                          in_program=in_program),
+        out_shape=jax.ShapeDtypeStruct(shape, x_MK.dtype if spread == 1 else jnp.float32),
+        grid=(blocks * (N // tiles.bn), spread),
         compiler_params=plgpu.CompilerParams(num_warps=tiles.warps, num_stages=tiles.stages),
         interpret=interpret,
-        name=f"linear_bm{tiles.bm}_bn{tiles.bn}_split{tiles.split}",
+        # K x N in the name: a trace then tells the projections apart.
+        name=f"linear_{K}x{N}_bm{tiles.bm}_bn{tiles.bn}_split{tiles.split}{'_in' if in_program else ''}",
     )(row0, x, w_KN)
-    if tiles.split > 1:
-        out = jnp.sum(out, axis=0)
+    if spread > 1:  # one add after another, in split order: the order the in-program sum takes
+        out = functools.reduce(lambda acc, part: acc + part, [out[s] for s in range(1, spread)], out[0])
     return out[:M, :n_out].astype(x_MK.dtype)

@@ -32,8 +32,19 @@ class LinearTiles:
 
 # Batch-invariant (KernelChoice.batch_invariant): one tile set at every M, from one row to a prefill chunk, so a
 # row's dot products are the same instructions over the same K order whatever the other rows are. 64-row blocks
-# (the warpgroup MMA's height), K unsplit (a split's partial sums would regroup K), 64 x 128 output tiles.
+# (the warpgroup MMA's height), 64 x 128 output tiles, and a K split fixed by the shard's K and N alone: enough
+# programs for the HBM at one row block, as `pick_tiles` reasons, but never changing with M (kernel.py runs it
+# inside each program when the grid is large).
 INVARIANT_BM, INVARIANT_BN, INVARIANT_BK = 64, 128, 64
+
+
+def _occupancy_split(k_steps: int, n_tiles: int) -> int:
+    """K splits (a power of two dividing the bk steps evenly) until one row block's grid holds about two programs
+    per multiprocessor."""
+    split = 1
+    while n_tiles * split < 2 * NUM_SMS and split < MAX_SPLIT and k_steps % (2 * split) == 0:
+        split *= 2
+    return split
 
 
 def invariant_tiles(k: int, n: int) -> LinearTiles | None:
@@ -46,7 +57,7 @@ def invariant_tiles(k: int, n: int) -> LinearTiles | None:
         bk //= 2
     if k % bk:
         return None
-    return LinearTiles(bm=INVARIANT_BM, bn=bn, bk=bk, split=1)
+    return LinearTiles(bm=INVARIANT_BM, bn=bn, bk=bk, split=_occupancy_split(k // bk, -(-n // bn)))
 
 
 def pick_tiles(m: int, k: int, n: int, *, max_m: int = MAX_M, invariant: bool = False) -> LinearTiles | None:
@@ -65,8 +76,4 @@ def pick_tiles(m: int, k: int, n: int, *, max_m: int = MAX_M, invariant: bool = 
         bk //= 2
     if n % bn or k % bk:
         return None
-    steps, tiles = k // bk, n // bn
-    split = 1
-    while tiles * split < 2 * NUM_SMS and split < MAX_SPLIT and steps % (2 * split) == 0:
-        split *= 2
-    return LinearTiles(bm=bm, bn=bn, bk=bk, split=split)
+    return LinearTiles(bm=bm, bn=bn, bk=bk, split=_occupancy_split(k // bk, n // bn))

@@ -39,6 +39,9 @@ def test_invariant_tiles_ignore_the_batch():
     for k, n in [(6144, 8192), (8192, 6144), (6144, 128), (6144, 200064)]:
         tiles = {pick_tiles(m, k, n, invariant=True) for m in (1, 3, 64, 65, 4096, 8192)}
         assert len(tiles) == 1  # the K split too: it comes from K and N alone
+    for k, n in [(128, 16), (256, 16), (6144, 16), (6144, 8192)]:  # a split runs two K steps or more (tiles.py)
+        t = pick_tiles(1, k, n, invariant=True)
+        assert t.split == 1 or k // t.bk // t.split >= 2
     assert pick_tiles(4096, 6144, 8192) is None  # without the flag, prefill sizes are XLA's
     for fmt in ("dense", "mxfp8", "mxfp4"):
         t = invariant_tiles(fmt)

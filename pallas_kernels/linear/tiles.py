@@ -39,10 +39,13 @@ INVARIANT_BM, INVARIANT_BN, INVARIANT_BK = 64, 128, 64
 
 
 def _occupancy_split(k_steps: int, n_tiles: int) -> int:
-    """K splits (a power of two dividing the bk steps evenly) until one row block's grid holds about two programs
-    per multiprocessor."""
+    """K splits (a power of two dividing the bk steps evenly, at least two steps each) until one row block's grid
+    holds about two programs per multiprocessor. A one-step split is a lone dot, which Triton folds into the next
+    add (`acc + dot(x, w)` becomes an MMA into acc): summed inside a program it then rounds differently from the
+    same split spread over programs (on the H100, benchmarks/results/linear-invariance-h100.json)."""
     split = 1
-    while n_tiles * split < 2 * NUM_SMS and split < MAX_SPLIT and k_steps % (2 * split) == 0:
+    while (n_tiles * split < 2 * NUM_SMS and split < MAX_SPLIT and k_steps % (2 * split) == 0
+           and k_steps // (2 * split) >= 2):
         split *= 2
     return split
 

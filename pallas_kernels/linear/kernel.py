@@ -31,6 +31,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.attention.tuning import NUM_SMS
 from pallas_kernels.linear.tiles import LinearTiles
 from pallas_kernels.moe.tiles import block_and_tile
+from pallas_kernels.ordered import ordered_sum
 
 # Row blocks that run N tile by N tile together (more than one only with the batch-invariant tiles at prefill
 # sizes): their x rows stay in L2 while the weight streams past them once per group.
@@ -103,5 +104,5 @@ def linear(x_MK: jax.Array, w_KN: jax.Array, *, tiles: LinearTiles, interpret: b
         name=f"linear_{K}x{N}_bm{tiles.bm}_bn{tiles.bn}_split{tiles.split}{'_in' if in_program else ''}",
     )(row0, x, w_KN)
     if spread > 1:  # one add after another, in split order: the order the in-program sum takes
-        out = functools.reduce(lambda acc, part: acc + part, [out[s] for s in range(1, spread)], out[0])
+        out = ordered_sum(out, axis=0)
     return out[:M, :n_out].astype(x_MK.dtype)

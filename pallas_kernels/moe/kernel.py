@@ -40,6 +40,7 @@ from pallas_kernels import mx
 from pallas_kernels.moe import kernel_mgpu, layout
 from pallas_kernels.moe.reference import dense_mlp, route, swiglu_oai
 from pallas_kernels.moe.tiles import KernelTiles, MoeTiles, block_and_tile, fill_shard, fit_tiles, pick_tiles
+from pallas_kernels.ordered import ordered_sum
 from pallas_kernels.sync import when_last
 
 
@@ -505,16 +506,17 @@ def combine(y_MD: jax.Array, dest_TJ: jax.Array, w_TJ: jax.Array, valid_TJ: jax.
     gathered, weighted by their routing weights and summed in fp32. Rows are owned by one program each, so
     this needs no atomics and is deterministic. `valid_TJ`: pairs to count (the others' rows were never
     written and may hold anything, NaN included: selected away, not multiplied by 0)."""
-    # A multiply and a reduce (one XLA reduce fusion), not an einsum, which could become a GEMM launch.
+    # Multiplies and adds (one XLA loop fusion), not an einsum, which could become a GEMM launch; the adds in
+    # split order, then choice order, whatever T is (ordered.py: a token's sum must not change with the batch).
     if y_MD.ndim == 3:
         terms = y_MD[:, dest_TJ] * w_TJ[None, :, :, None]
         if valid_TJ is not None:
             terms = jnp.where(valid_TJ[None, :, :, None], terms, 0.0)
-        return jnp.sum(terms, axis=(0, 2))
+        return ordered_sum(ordered_sum(terms, axis=0), axis=1)
     terms = y_MD[dest_TJ].astype(jnp.float32) * w_TJ[:, :, None]
     if valid_TJ is not None:
         terms = jnp.where(valid_TJ[:, :, None], terms, 0.0)
-    return jnp.sum(terms, axis=1)
+    return ordered_sum(terms, axis=1)
 
 
 def moe_pallas(h_TD: jax.Array, p: dict, *, top_k: int, routed_scaling: float, alpha: float, limit: float,

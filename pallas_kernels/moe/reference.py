@@ -7,6 +7,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.ordered import ordered_sum
+
 
 def swiglu_oai(gate: jax.Array, up: jax.Array, *, alpha: float, limit: float) -> jax.Array:
     """SwiGLU-OAI: the gate is clamped from above only, up on both sides, and up gets +1."""
@@ -29,7 +31,7 @@ def route(h_TD: jax.Array, router_DE: jax.Array, bias_E: jax.Array, top_k: int,
     scores = jax.nn.sigmoid(logits_TE)
     _, idx_TK = jax.lax.top_k(scores + bias_E.astype(jnp.float32), top_k)
     w_TK = jnp.take_along_axis(scores, idx_TK, axis=-1)
-    return idx_TK, w_TK / jnp.sum(w_TK, axis=-1, keepdims=True)
+    return idx_TK, w_TK / ordered_sum(w_TK, axis=-1)[:, None]  # in choice order at every T (ordered.py)
 
 
 def routed_experts(h_TD: jax.Array, idx_TK: jax.Array, w_TK: jax.Array, w_gate_EDF: jax.Array,

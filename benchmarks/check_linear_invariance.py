@@ -11,6 +11,7 @@ The CPU tests hold this in interpret mode (tests/test_batch_invariant.py); the c
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
@@ -35,6 +36,9 @@ def main() -> None:
     ap.add_argument("--model", default="m3-slice-1moe")
     ap.add_argument("--m", type=int, nargs="+", default=[1, 32, 300, 2048])
     ap.add_argument("--impl", default="pallas", choices=("pallas", "interpret"))
+    ap.add_argument("--alt-tiles", nargs="*", default=[],
+                    help="bm,bn,bk,warps,stages: tiles to compare bitwise with the invariant ones at the largest M "
+                         "(the same K split). Equal on the device means prefill may run them in the invariant mode")
     ap.add_argument("--out", default="benchmarks/results/linear-invariance.json")
     args = ap.parse_args()
 
@@ -71,6 +75,17 @@ def main() -> None:
         rec["spread_vs_in_program_max_abs_diff"] = float(np.max(np.abs(forced[False] - forced[True])))
         rec["invariant"] = max(rec["row0_max_abs_diff_by_m"].values()) == 0 and \
             rec["spread_vs_in_program_max_abs_diff"] == 0
+        # Other tile shapes over the same K order (same split and bk-step sequence of MMAs): same bits?
+        base_tiles = dispatch.tiles_for(m, k, n, args.impl, True)
+        rec["alt_tiles_max_abs_diff"] = {}
+        for spec in args.alt_tiles:
+            bm, bn, bk, warps, stages = (int(v) for v in spec.split(","))
+            alt = dataclasses.replace(base_tiles, bm=bm, bn=min(bn, n), bk=bk, warps=warps, stages=stages)
+            if n % alt.bn or k % (alt.bk * alt.split):
+                continue
+            f = jax.jit(lambda x, w, alt=alt: kernel.linear(x, w, tiles=alt, interpret=args.impl == "interpret"))
+            got = np.asarray(f(x[:m], w).astype(jnp.float32))
+            rec["alt_tiles_max_abs_diff"][spec] = float(np.max(np.abs(got - forced[True])))
         rec.update(device=jax.devices()[0].device_kind, git_rev=git_rev())
         print(json.dumps(rec), flush=True)
         records.append(rec)

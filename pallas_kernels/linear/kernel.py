@@ -58,9 +58,9 @@ def _linear_kernel(row0_ref, x_ref, w_ref, o_ref, *, bm: int, bn: int, bk: int, 
         return lax.fori_loop(0, per_split, step, jnp.zeros((bm, bn), jnp.float32))
 
     if split == 1 or in_program:
-        acc = partial(0)
-        for s in range(1, split):  # the split's partials in split order, as `linear` adds the spread ones
-            acc = acc + partial(s)
+        # The split's partials in split order, as `linear` adds the spread ones (a loop, not unrolled: Triton's
+        # compile time grows with the code, and the engine compiles every step shape at start-up).
+        acc = lax.fori_loop(1, split, lambda s, acc: acc + partial(s), partial(0))
         o_ref[pl.ds(m0, bm), pl.ds(n0, bn)] = acc.astype(o_ref.dtype)
     else:
         o_ref[pl.program_id(1), pl.ds(m0, bm), pl.ds(n0, bn)] = partial(pl.program_id(1))

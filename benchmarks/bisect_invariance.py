@@ -43,7 +43,12 @@ def bisect(cfg, params, kernels, dtype, prompt_len: int, other_len: int, decode_
     model = M3Model(cfg, params, rules, dtype, kernels=kernels)
     ps = model.page_size
     capture = tuple(range(cfg.num_layers))
-    step = jax.jit(lambda kv, batch: forward(params, cfg, kv, batch, kernels, capture=capture, all_hidden=True))
+    # params as an argument: closed over, jit would bake 20 GB of weights into the executable as constants.
+    fwd = jax.jit(lambda params, kv, batch: forward(params, cfg, kv, batch, kernels, capture=capture,
+                                                    all_hidden=True))
+
+    def step(kv, batch):
+        return fwd(params, kv, batch)
 
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, cfg.vocab_size, prompt_len).tolist()

@@ -5,7 +5,8 @@ A batch of B requests with ~`--context`-token prompts is prefilled through the e
   tokens, stop checks, detokenisation and outputs: everything the serving loop does per token);
 - bare: the same compiled executable called back to back on a fixed decode batch (forward + sampling on the
   device, no host work but the dispatch).
-The ratio engine / bare is the host's cost per step once async scheduling has overlapped it with the device. On a
+The ratio engine / bare is the host's cost per step once async scheduling has overlapped it with the device; the
+engine's own split of its step (time blocked on the device's tokens, and the host work around it) goes beside it. On a
 GPU both loops are also traced: kernel-busy time per step tells device work from the device waiting on the host.
 
     PYTHONPATH=. python benchmarks/bench_engine_step.py [--model m3-slice] [--batches 32 128] [--context 1024]
@@ -47,11 +48,12 @@ def measure(core: Any, batch: int, context: int, steps: int) -> dict[str, Any]:
     while core.num_waiting or any(r.num_computed < r.num_prompt for r in core.scheduler.running):
         core.step()
     core.step()
-    t_engine = []
+    t_engine, t_wait = [], []
     for _ in range(steps):
-        t = time.perf_counter()
+        t, w = time.perf_counter(), core.stats["device_wait_us"]
         core.step()
         t_engine.append(time.perf_counter() - t)
+        t_wait.append((core.stats["device_wait_us"] - w) / 1e6)
 
     # The bare step: the same executable on a fixed decode batch, dispatched back to back.
     runner = core.runner
@@ -94,6 +96,10 @@ def measure(core: Any, batch: int, context: int, steps: int) -> dict[str, Any]:
         core.step()
     return {"op": "engine_decode_step", "batch": batch, "context": context, "engine_step_s": engine,
             "bare_step_s": bare, "engine_over_bare": engine / bare, "steps": steps,
+            # Mean per step: blocked on the device's tokens, and the rest (host work, dispatch included).
+            "engine_device_wait_s": statistics.median(t_wait[steps // 4:]),
+            "engine_host_s": statistics.median(e - w for e, w in zip(t_engine[steps // 4:], t_wait[steps // 4:],
+                                                                       strict=True)),
             "executables": core.num_executables, **busy, **kernels}
 
 

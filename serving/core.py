@@ -438,11 +438,16 @@ class EngineCore:
         self._last_decode = (now, len(scheduled.rows), run + 1) if decode else None
 
     def _complete(self, step: InFlight, outputs: list[RequestOutput]) -> None:
+        t0 = time.perf_counter()
         try:
             result = self.runner.collect(step)
         except StepFailed as e:
             self._fail_all(e, outputs)
             return
+        finally:
+            # Blocked on the device's tokens: the rest of a step's period is host work (a host-bound engine
+            # hardly waits at all).
+            self.stats["device_wait_us"] += int((time.perf_counter() - t0) * 1e6)
         if result.prompt_logprobs:
             self._fill_prompt_logprobs(result.prompt_logprobs)
         now = time.monotonic()

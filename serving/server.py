@@ -440,6 +440,9 @@ class ServingCore:
                     lambda: stats.get("decode_step_us", 0) / 1e6),
             Reading("counter", "m3jax_engine_decode_step_rows", "Requests in those steps (their mean batch size)",
                     lambda: stats.get("decode_step_rows", 0)),
+            Reading("counter", "m3jax_engine_device_wait_seconds", "Time the engine thread waited for a step's "
+                    "sampled tokens; the rest of its time is host work (scheduling, inputs, outputs)",
+                    lambda: stats.get("device_wait_us", 0) / 1e6),
             Reading("counter", "m3jax_preemptions", "Requests preempted (recomputed later)",
                     lambda: stats.get("preemptions", 0)),
             Reading("counter", "m3jax_prefix_cache_queries", "Tokens looked up in the prefix cache at admission",

@@ -517,6 +517,9 @@ def test_vllm_metric_names_parse_with_prometheus_client(server):
     for name, kind in want.items():
         assert name in families and families[name].type == kind, name
         assert all(s.labels["model_name"] == server.model for s in families[name].samples), name
+    # The engine thread's wait for the device, beside its step counters (the rest of its time is host work).
+    wait = families["m3jax_engine_device_wait_seconds"]
+    assert wait.type == "counter" and wait.samples[0].value > 0
 
     def value(name, suffix="", **labels):
         return sum(s.value for s in families[name].samples

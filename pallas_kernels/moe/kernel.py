@@ -506,17 +506,17 @@ def combine(y_MD: jax.Array, dest_TJ: jax.Array, w_TJ: jax.Array, valid_TJ: jax.
     gathered, weighted by their routing weights and summed in fp32. Rows are owned by one program each, so
     this needs no atomics and is deterministic. `valid_TJ`: pairs to count (the others' rows were never
     written and may hold anything, NaN included: selected away, not multiplied by 0)."""
-    # Multiplies and adds (one XLA loop fusion), not an einsum, which could become a GEMM launch; the adds in
-    # split order, then choice order, whatever T is (ordered.py: a token's sum must not change with the batch).
-    if y_MD.ndim == 3:
-        terms = y_MD[:, dest_TJ] * w_TJ[None, :, :, None]
-        if valid_TJ is not None:
-            terms = jnp.where(valid_TJ[None, :, :, None], terms, 0.0)
-        return ordered_sum(ordered_sum(terms, axis=0), axis=1)
-    terms = y_MD[dest_TJ].astype(jnp.float32) * w_TJ[:, :, None]
-    if valid_TJ is not None:
-        terms = jnp.where(valid_TJ[:, :, None], terms, 0.0)
-    return ordered_sum(terms, axis=1)
+    # Gathers, multiplies and adds (one XLA loop fusion), not an einsum, which could become a GEMM launch. The adds
+    # go in choice order (a split's partials first, in split order) whatever T is (ordered.py: a token's sum must
+    # not change with the batch), and each choice gathers its own rows, so no [T, k, D] array of terms is ever
+    # a producer shared by k consumers that XLA might write out.
+    def term(j: int) -> jax.Array:
+        rows = y_MD[..., dest_TJ[:, j], :].astype(jnp.float32) * w_TJ[:, j, None]  # [(split,) T, D]
+        if y_MD.ndim == 3:
+            rows = ordered_sum(rows, axis=0)
+        return rows if valid_TJ is None else jnp.where(valid_TJ[:, j, None], rows, 0.0)
+
+    return functools.reduce(lambda acc, j: acc + term(j), range(1, dest_TJ.shape[1]), term(0))
 
 
 def moe_pallas(h_TD: jax.Array, p: dict, *, top_k: int, routed_scaling: float, alpha: float, limit: float,

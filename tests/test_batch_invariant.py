@@ -80,6 +80,18 @@ def test_linear_split_inside_or_across_programs_is_the_same_sum(monkeypatch):
     np.testing.assert_allclose(np.asarray(many, np.float32), np.asarray(x @ w, np.float32), rtol=2e-2, atol=0.1)
 
 
+def test_ordered_sum_adds_in_index_order_at_every_shape():
+    """ordered_sum is ((x0 + x1) + x2) + ... per element, however many rows share the call: 1e8 + 1 rounds back
+    to 1e8 in fp32, so this row sums to 0 in index order and to 1 in any order that adds 1e8 - 1e8 first."""
+    from pallas_kernels.ordered import ordered_sum
+    row = jnp.array([1e8, 1.0, -1e8, 0.5], jnp.float32)
+    for rows in (1, 3, 1000):
+        got = jax.jit(lambda x: ordered_sum(x, axis=1))(jnp.tile(row, (rows, 1)))
+        np.testing.assert_array_equal(np.asarray(got), np.full(rows, 0.5, np.float32))
+    x = jnp.tile(row[:, None, None], (1, 5, 2))  # a leading axis, as the linear kernel's split partials
+    np.testing.assert_array_equal(np.asarray(ordered_sum(x, axis=0)), np.full((5, 2), 0.5, np.float32))
+
+
 # m3-tiny widened so that the kernels' tiles divide it (as tests/test_sharding.py does).
 CFG = preset("m3-tiny").replace(num_heads=8, num_kv_heads=4, index_num_heads=4, moe_intermediate_size=128,
                                 shared_intermediate_size=128)

@@ -3,6 +3,8 @@ whole scanned forward (m3-slice, abstract weights, every kernel through the Pall
 sampling, for the GPU smoke matrix's model lengths, row counts and step budgets. Nothing is compiled or run;
 what would crash a GPU start-up at lowering time fails here (a model length of 1280 did)."""
 
+import re
+
 import jax
 import pytest
 
@@ -59,3 +61,8 @@ def test_batch_invariant_step_lowers(moe_format):
         text = lower_for_gpu(runner._fns["forward"], *args)
         # Attention (3), MoE (2), and the linears: q/k/v/o, index q/k, router, dense MLP's 3, lm_head.
         assert count_triton_kernels(text) >= 12, size
+        # Outside the kernels XLA computes no float sum whose order it could choose by shape: no GEMM, and only
+        # integer / boolean reductions (layout counts, masks). Short float sums are chains of adds (ordered.py).
+        assert "stablehlo.dot_general" not in text and '"stablehlo.reduce"' not in text, size
+        reductions = re.findall(r"stablehlo\.reduce\(.*", text)
+        assert reductions and not [r for r in reductions if re.search(r"tensor<[0-9x]*(f16|bf16|f32|f64)>", r)], size

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import time
 from pathlib import Path
 
 import jax
 import numpy as np
+
+from benchmarks.timing import git_rev
 
 
 def main() -> None:
@@ -57,8 +57,7 @@ def main() -> None:
     same = [a == o.outputs[0].token_ids for a, o in zip(alone, outs, strict=False)]
     # Decode-only steps: time a batch whose prompts are already prefilled is not separable here, so report the
     # mean step time over the whole run and the step count.
-    rev = os.environ.get("M3JAX_GIT_REV") or subprocess.run(["git", "rev-parse", "--short", "HEAD"],
-                                                            capture_output=True, text=True).stdout.strip()
+    rev = git_rev()
     result = {"op": "engine_generate", "model": args.model, "device": jax.devices()[0].device_kind,
               "git_rev": rev, "startup_s": startup_s, "warmup_s": eng.warmup_seconds,
               "buckets": eng.num_executables, "requests": args.requests,

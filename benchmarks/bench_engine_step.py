@@ -16,19 +16,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-
-def _rev() -> str:
-    return os.environ.get("M3JAX_GIT_REV") or subprocess.run(["git", "rev-parse", "--short", "HEAD"],
-                                                            capture_output=True, text=True).stdout.strip()
+from benchmarks.timing import git_rev
 
 
 def measure(core: Any, batch: int, context: int, steps: int) -> dict[str, Any]:
@@ -131,7 +126,7 @@ def main() -> None:
     records = []
     for b in args.batches:
         rec = {**measure(core, b, args.context, args.steps), "model": args.model, "startup_s": startup,
-               "device": device, "git_rev": _rev()}
+               "device": device, "git_rev": git_rev()}
         print(json.dumps(rec), flush=True)
         records.append(rec)
     out = Path(args.out or f"benchmarks/results/engine-step-{device.replace(' ', '_')}.json")

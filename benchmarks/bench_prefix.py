@@ -12,19 +12,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-
-def _rev() -> str:
-    return os.environ.get("M3JAX_GIT_REV") or subprocess.run(["git", "rev-parse", "--short", "HEAD"],
-                                                            capture_output=True, text=True).stdout.strip()
+from benchmarks.timing import git_rev
 
 
 def ttfts(llm: Any, prompts: list[list[int]]) -> list[float]:
@@ -71,7 +66,7 @@ def main() -> None:
                    "median_later_ttft_s": statistics.median(later), "hits_tokens": llm.core.prefix_cache_hits,
                    "queries_tokens": llm.core.prefix_cache_queries, "model": args.model or "embedded",
                    "max_num_batched_tokens": args.max_num_batched_tokens,
-                   "device": jax.devices()[0].device_kind, "git_rev": _rev()}
+                   "device": jax.devices()[0].device_kind, "git_rev": git_rev()}
         print(json.dumps(rec), flush=True)
         records.append(rec)
     gain = records[0]["median_later_ttft_s"] / records[1]["median_later_ttft_s"]

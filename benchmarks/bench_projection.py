@@ -50,10 +50,8 @@ import argparse
 import dataclasses
 import json
 import math
-import os
 import re
 import statistics
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -61,6 +59,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from benchmarks.timing import git_rev
 
 DEPLOYMENTS = {"tp4": (4, False), "tp8": (8, False), "ep8": (8, True)}
 INFERENCEX = {(1024, 1024, 32): 445.8, (1024, 1024, 64): 580.9, (8192, 1024, 32): 1230.0, (8192, 1024, 64): 1500.6}
@@ -465,8 +465,7 @@ def main() -> None:
         warm_up_device(10.0)
     workloads = [tuple(int(v) for v in w.split("/")) for w in args.workloads]
     coll = Collectives(args.nvlink_gbps * 1e9, args.allreduce_latency_us * 1e-6)
-    rev = os.environ.get("M3JAX_GIT_REV") or subprocess.run(["git", "rev-parse", "--short", "HEAD"],
-                                                            capture_output=True, text=True).stdout.strip()
+    rev = git_rev()
     assumptions = {
         "collectives": f"ring: all-reduce 2(n-1)/n bytes, all-gather (n-1)/n, at {args.nvlink_gbps} GB/s per GPU "
                        f"(80% of NVLink 4's 450 GB/s per direction; NVIDIA H200 datasheet: 900 GB/s "

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import time
 from pathlib import Path
 
@@ -24,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.timing import device_profile
+from benchmarks.timing import device_profile, git_rev
 
 # HBM bytes per expert weight as the MoE kernels read it (moe/layout.py): an E8M0 byte per 32 elements for MX.
 EXPERT_BYTES = {"bf16": 2.0, "mxfp8": 1 + 1 / 32, "mxfp4": 0.5 + 1 / 32}
@@ -105,8 +103,7 @@ def main() -> None:
                     kernels=KernelChoice("auto", "auto", batch_invariant=args.batch_invariant))
     ps = model.page_size
     head = jax.jit(lambda x, w: x @ w)
-    rev = os.environ.get("M3JAX_GIT_REV") or subprocess.run(["git", "rev-parse", "--short", "HEAD"],
-                                                            capture_output=True, text=True).stdout.strip()
+    rev = git_rev()
     def first_step(kv, batch) -> tuple[dict, object, float]:
         """(state holding the pool, a synchronous step on `batch`, the first call's seconds: the compile)."""
         state = {"kv": kv}

@@ -20,21 +20,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from benchmarks.timing import git_rev
+
 # InferenceX, MiniMax M3 + EAGLE3, SPEED-Bench coding at temperature 1.0: mean accepted length by k.
 ACCEPTANCE = {1: {"thinking_on": 1.78, "thinking_off": 1.84}, 3: {"thinking_on": 2.83, "thinking_off": 2.93}}
-
-
-def _rev() -> str:
-    return os.environ.get("M3JAX_GIT_REV") or subprocess.run(["git", "rev-parse", "--short", "HEAD"],
-                                                            capture_output=True, text=True).stdout.strip()
 
 
 def _time(fn: Any, steps: int) -> float:
@@ -153,7 +148,7 @@ def main() -> None:
     for b in args.batches:
         rec = {"op": "spec_step", "model": args.model, **measure(model, dcfg, draft_params, b, args.context, args.ks,
                                                                   args.steps),
-               "device": device, "git_rev": _rev(), "acceptance_lengths": ACCEPTANCE}
+               "device": device, "git_rev": git_rev(), "acceptance_lengths": ACCEPTANCE}
         print(json.dumps(rec), flush=True)
         records.append(rec)
     name = "spec-h200.json" if "H200" in device else f"spec-{device.replace(' ', '_')}.json"

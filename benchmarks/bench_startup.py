@@ -32,12 +32,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.timing import git_rev
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _rev() -> str:
-    return os.environ.get("M3JAX_GIT_REV") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
 
 
 def _device() -> str:
@@ -94,7 +91,7 @@ def measure_shapes(args: argparse.Namespace) -> list[dict[str, Any]]:
                    "runs": len(model.cfg.layer_runs), "tokens": tokens, "rows": runner.rows_for(tokens),
                    "trace_s": t1 - t0, "lower_s": t2 - t1, "compile_s": compile_s,
                    "total_s": t2 - t0 + (compile_s or 0.0), "moe_format": args.moe_format,
-                   "lowered_for": "gpu" if gpu else "abstract H200", "device": _device(), "git_rev": _rev()}
+                   "lowered_for": "gpu" if gpu else "abstract H200", "device": _device(), "git_rev": git_rev()}
             print(json.dumps(rec), flush=True)
             records.append(rec)
     by = {(r["preset"], r["tokens"]): r["total_s"] for r in records}
@@ -102,7 +99,7 @@ def measure_shapes(args: argparse.Namespace) -> list[dict[str, Any]]:
         if ("m3-full", tokens) in by and ("m3-slice", tokens) in by:
             ratio = by[("m3-full", tokens)] / by[("m3-slice", tokens)]
             records.append({"op": "step_compile_depth_ratio", "tokens": tokens, "full_over_slice": ratio,
-                            "device": _device(), "git_rev": _rev()})
+                            "device": _device(), "git_rev": git_rev()})
             print(json.dumps(records[-1]), flush=True)
     return records
 
@@ -148,7 +145,7 @@ def measure_serve(args: argparse.Namespace, label: str, serve_args: list[str]) -
     with (contextlib.nullcontext(keep) if keep else tempfile.TemporaryDirectory(prefix="m3jax-startup-")) as cache:
         for start in ("cold", "warm"):
             rec = {"op": "serve_startup", "case": label, "start": start, "args": serve_args,
-                   **time_to_ready(serve_args, cache, args.timeout), "device": _device(), "git_rev": _rev()}
+                   **time_to_ready(serve_args, cache, args.timeout), "device": _device(), "git_rev": git_rev()}
             print(json.dumps(rec), flush=True)
             records.append(rec)
     return records
@@ -178,7 +175,7 @@ def measure_depth(args: argparse.Namespace) -> list[dict[str, Any]]:
     for start in ("cold", "warm"):
         ratio = by[(f"tiny-{hi}-layers", start)] / by[(f"tiny-{lo}-layers", start)]
         records.append({"op": "serve_startup_depth_ratio", "start": start, "layers": [lo, hi],
-                        "deep_over_shallow": ratio, "device": _device(), "git_rev": _rev()})
+                        "deep_over_shallow": ratio, "device": _device(), "git_rev": git_rev()})
         print(json.dumps(records[-1]), flush=True)
     return records
 

@@ -23,9 +23,10 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import time
 from pathlib import Path
+
+from benchmarks.timing import git_rev
 
 VOCAB_ROWS = 200064  # M3's embedding rows
 SCHEMA = {
@@ -40,11 +41,6 @@ SCHEMA = {
     },
     "required": ["location", "unit", "days", "stations"],
 }
-
-
-def _rev() -> str:
-    return os.environ.get("M3JAX_GIT_REV") or subprocess.run(["git", "rev-parse", "--short", "HEAD"],
-                                                            capture_output=True, text=True).stdout.strip()
 
 
 def m3_sized_tokenizer(cache: Path) -> str:
@@ -147,7 +143,7 @@ def main() -> None:
            "grammar": "json_schema (tool arguments)", "steps": len(ms), "median_ms": statistics.median(ms),
            "p99_ms": ms[min(len(ms) - 1, int(0.99 * len(ms)))], "mean_ms": statistics.fmean(ms),
            "tokenizer_setup_s": setup_s, "grammar_compile_s_total": compile_s, "host_cpus": os.cpu_count(),
-           "host": platform.processor() or platform.machine(), "device_step": device_step, "git_rev": _rev()}
+           "host": platform.processor() or platform.machine(), "device_step": device_step, "git_rev": git_rev()}
     if device_step:
         rec["mask_over_device_step"] = rec["median_ms"] / device_step["plain_step_ms"]
     print(json.dumps(rec), flush=True)

@@ -14,14 +14,14 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
-import subprocess
 import time
 import traceback
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from benchmarks.timing import git_rev
 
 
 def serve(core: Any, batch: list[list[int]], params: Any) -> list[list[int]]:
@@ -59,8 +59,7 @@ def main() -> None:
     model, tokenizer = load(base)
     print(f"model ready in {time.perf_counter() - t0:.1f}s", flush=True)
     device = jax.devices()[0].device_kind
-    rev = os.environ.get("M3JAX_GIT_REV") or subprocess.run(["git", "rev-parse", "--short", "HEAD"],
-                                                            capture_output=True, text=True).stdout.strip()
+    rev = git_rev()
     records = []
     out = Path(args.out or f"benchmarks/results/smoke-sizes-{device.replace(' ', '_')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)

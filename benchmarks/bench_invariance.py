@@ -105,7 +105,8 @@ def engine_run(args: argparse.Namespace, invariant: bool, prompts: list[list[int
     del llm
     rec = {"op": "batch_invariance", "mode": "invariant" if invariant else "default", "model": args.model,
            "requests": len(prompts), "prompt_tokens_mean": float(np.mean([len(p) for p in prompts])),
-           "output_len": args.output_len, "max_num_batched_tokens": args.max_num_batched_tokens,
+           "prompt_lens": [len(p) for p in prompts], "output_len": args.output_len,
+           "max_num_batched_tokens": args.max_num_batched_tokens,
            "equal_alone": sum(a == b for a, b in zip(alone, batch, strict=True)),
            "first_diff_alone": [next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
                                 for a, b in zip(alone, batch, strict=True)],
@@ -117,6 +118,8 @@ def engine_run(args: argparse.Namespace, invariant: bool, prompts: list[list[int
         small.core.shutdown()
         rec["chunk_budget"] = args.chunk_budget
         rec["equal_chunked"] = sum(a == b for a, b in zip(chunked, batch, strict=True))
+        rec["first_diff_chunked"] = [next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
+                                     for a, b in zip(chunked, batch, strict=True)]
     print(json.dumps(rec), flush=True)
     return rec
 

@@ -5,7 +5,11 @@ several batch compositions, each on a fresh page pool, and its rows are compared
 - `with_other`: R's prompt in the same step as another request's prompt (R second, so its rows move);
 - `chunked`: R's prompt in two steps (the second half reading the first half's K/V from the pages);
 - `decode_batch`: R's decode token next to `--decode-rows - 1` other requests' decode tokens (their contexts
-  filled by a prefill step first).
+  filled by a prefill step first);
+- `chunked_padded`: R's prompt in uneven chunks (37, 64, 27, 100, the rest), each step padded as the engine pads
+  (a power-of-two token bucket of at least 64, `--decode-rows` rows);
+- `big_bucket`: R's prompt alone in a step padded to `--big-bucket` tokens;
+- `decode_beside_prefill`: R's decode token in one step with another request's 63-token prefill chunk.
 For each composition: per layer, the max |difference| of R's residual stream at the layer's input, the MSA block
 selections of R's rows per sparse layer (how many differ), and the final hidden state and logits. The first layer
 whose input differs names the layer whose ops vary with the batch; its attention or MLP half tells which family.
@@ -31,7 +35,8 @@ def _rows_differing(a: np.ndarray, b: np.ndarray) -> int:
     return int(np.sum(np.any(a != b, axis=tuple(range(1, a.ndim)))))
 
 
-def bisect(cfg, params, kernels, dtype, prompt_len: int, other_len: int, decode_rows: int) -> dict:
+def bisect(cfg, params, kernels, dtype, prompt_len: int, other_len: int, decode_rows: int,
+           big_bucket: int = 2048) -> dict:
     """{composition: comparison with R alone} (see the module docstring); `kernels` resolved, params prepared."""
     from m3jax.api import M3Model
     from m3jax.batch import RowPlan, build_batch
@@ -58,8 +63,8 @@ def bisect(cfg, params, kernels, dtype, prompt_len: int, other_len: int, decode_
     def pages(i: int) -> range:
         return range(1 + i * width, 1 + (i + 1) * width)
 
-    def run(kv, rows: list[RowPlan], num_tokens: int):
-        batch, _ = build_batch(rows, ps, num_tokens, len(rows), width)
+    def run(kv, rows: list[RowPlan], num_tokens: int, num_rows: int | None = None):
+        batch, _ = build_batch(rows, ps, num_tokens, num_rows or len(rows), width)
         t = time.perf_counter()
         out = step(kv, batch)
         jax.block_until_ready(out.hidden)
@@ -111,15 +116,45 @@ def bisect(cfg, params, kernels, dtype, prompt_len: int, other_len: int, decode_
     kv, out = run(kv, [*rows[: len(rows) // 2], RowPlan([decode_token], n, pages(0)), *rows[len(rows) // 2:]],
                   decode_rows)
     results["decode_batch"] = compare(alone_decode, r_rows(out, len(rows) // 2, 1))
+
+    # As the engine cuts and pads: R's prompt in uneven chunks, each step padded to a power-of-two token bucket
+    # (at least 64) and `decode_rows` rows; its rows compared chunk by chunk.
+    sizes, left = [], n
+    for size in (37, 64, 27, 100):
+        sizes.append(min(size, left))
+        left -= sizes[-1]
+    sizes = [s for s in [*sizes, left] if s]
+    kv = model.new_pages(1 + 2 * decode_rows * width)
+    got, start = [], 0
+    for size in sizes:
+        plan = RowPlan(prompt[start:start + size], start, pages(0), sample=start + size == n)
+        kv, out = run(kv, [plan], max(64, 1 << (size - 1).bit_length()), decode_rows)
+        got.append(r_rows(out, 0, size))
+        start += size
+    joined = {"aux": np.concatenate([g["aux"] for g in got], axis=1),
+              "hidden": np.concatenate([g["hidden"] for g in got]),
+              "sel": {i: np.concatenate([g["sel"][i] for g in got]) for i in alone_prefill["sel"]}}
+    results["chunked_padded"] = {"chunks": sizes, **compare(alone_prefill, joined)}
+    # R's whole prompt in a step padded to `--big-bucket` tokens (the in-program K split of the linear kernel).
+    kv = model.new_pages(1 + 2 * decode_rows * width)
+    kv, out = run(kv, [RowPlan(prompt, 0, pages(0))], big_bucket, decode_rows)
+    results["big_bucket"] = compare(alone_prefill, r_rows(out, 0, n))
+    # R's decode token in the same step as another request's 63-token prefill chunk, padded to 64 tokens.
+    kv = model.new_pages(1 + 2 * decode_rows * width)
+    kv, _ = run(kv, [RowPlan(prompt, 0, pages(0))], n)
+    kv, out = run(kv, [RowPlan([decode_token], n, pages(0)), RowPlan(other[:63], 0, pages(1), sample=False)],
+                  64, decode_rows)
+    results["decode_beside_prefill"] = compare(alone_decode, r_rows(out, 0, 1))
     return results
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="m3-slice-1moe")
-    ap.add_argument("--prompt-len", type=int, default=300)
+    ap.add_argument("--prompt-len", type=int, default=600, help="several index blocks of 128 tokens")
     ap.add_argument("--other-len", type=int, default=200)
     ap.add_argument("--decode-rows", type=int, default=32)
+    ap.add_argument("--big-bucket", type=int, default=2048, help="token bucket of the `big_bucket` composition")
     ap.add_argument("--batch-invariant", action="store_true")
     ap.add_argument("--dtype", default=None, choices=("bf16", "fp32"),
                     help="activation/weight dtype (default: bf16 on the GPU, fp32 elsewhere)")
@@ -142,7 +177,8 @@ def main() -> None:
         params = prepare_params(params, "bf16", keep_reference=False)
     jax.block_until_ready(params)
     print(f"[bisect] params ready in {time.perf_counter() - t:.1f} s", flush=True)
-    results = bisect(cfg, params, kernels, dtype, args.prompt_len, args.other_len, args.decode_rows)
+    results = bisect(cfg, params, kernels, dtype, args.prompt_len, args.other_len, args.decode_rows,
+                     args.big_bucket)
     n = args.prompt_len
     rec = {"op": "invariance_bisection", "model": args.model, "batch_invariant": args.batch_invariant,
            "kernels": kernels.attention, "dtype": jnp.dtype(dtype).name, "prompt_len": n, "results": results,

@@ -158,9 +158,9 @@ def test_flag_is_part_of_the_step_identity():
 def test_forward_rows_bitwise_invariant_with_the_flag():
     """The whole forward with the flag (interpret-mode kernels on the CPU): a request's residual stream at every
     layer, its final hidden state and its MSA selections are bitwise the same alone, next to another prompt,
-    cut into two chunks, and as one decode row among others (benchmarks/bisect_invariance.py, which found the
-    RMS norms' XLA reduction, the unmasked-page loop, the unstacked shared expert and an untileable router
-    regrouping rows with the batch)."""
+    cut into chunks, padded as the engine pads, and as a decode row among others or beside a prefill chunk
+    (benchmarks/bisect_invariance.py, which found the RMS norms' XLA reduction, the unmasked-page loop, the
+    unstacked shared expert and an untileable router regrouping rows with the batch)."""
     from benchmarks.bisect_invariance import bisect
     from checkpoints.prepare import prepare_params
     from m3jax.params import init_params
@@ -168,7 +168,8 @@ def test_forward_rows_bitwise_invariant_with_the_flag():
     cfg = preset("m3-tiny")
     params = prepare_params(init_params(cfg, dtype=jnp.float32), "bf16", keep_reference=False)
     choice = KernelChoice("interpret", "interpret", batch_invariant=True)
-    results = bisect(cfg, params, choice, jnp.float32, prompt_len=40, other_len=30, decode_rows=4)
+    results = bisect(cfg, params, choice, jnp.float32, prompt_len=40, other_len=30, decode_rows=4,
+                     big_bucket=128)
     for name, r in results.items():
         assert r["first_layer_whose_input_differs"] is None and r["hidden_max_abs_diff"] == 0.0, (name, r)
         assert not any(r["selection_rows_differing_by_layer"].values()), (name, r)

@@ -20,6 +20,7 @@ whose input differs names the layer whose ops vary with the batch; its attention
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
 from pathlib import Path
@@ -55,6 +56,9 @@ def bisect(cfg, params, kernels, dtype, prompt_len: int, other_len: int, decode_
     def step(kv, batch):
         return fwd(params, kv, batch)
 
+    halves = jax.jit(functools.partial(last_layer_halves, cfg=cfg, kernels=kernels))
+    last = cfg.num_layers - 1
+
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, cfg.vocab_size, prompt_len).tolist()
     other = rng.integers(0, cfg.vocab_size, other_len).tolist()
@@ -68,22 +72,31 @@ def bisect(cfg, params, kernels, dtype, prompt_len: int, other_len: int, decode_
         t = time.perf_counter()
         out = step(kv, batch)
         jax.block_until_ready(out.hidden)
+        # The last layer's attention and MLP outputs, from its captured input and the step's pages.
+        out.halves = halves(params, out.kv, batch, out.aux_hidden[last])
         print(f"[bisect] step of {num_tokens} tokens / {len(rows)} rows: {time.perf_counter() - t:.1f} s", flush=True)
         return out.kv, out
 
     def r_rows(out, start: int, n: int) -> dict:
         """R's rows of one step's outputs: aux hidden per layer, final hidden, selections per sparse layer."""
         sel = {i: np.asarray(s[start:start + n]) for i, s in out.selections.items()}
-        return {"aux": np.asarray(out.aux_hidden[:, start:start + n].astype(jnp.float32)),
+        attn, mlp = (np.asarray(a[start:start + n].astype(jnp.float32)) for a in out.halves)
+        return {"attn": attn, "mlp": mlp, "aux": np.asarray(out.aux_hidden[:, start:start + n].astype(jnp.float32)),
                 "hidden": np.asarray(out.hidden[start:start + n].astype(jnp.float32)), "sel": sel}
 
     def compare(a: dict, b: dict) -> dict:
         per_layer = [float(np.max(np.abs(a["aux"][i] - b["aux"][i]))) for i in range(cfg.num_layers)]
         first = next((i for i, d in enumerate(per_layer) if d > 0), None)
-        return {"input_max_abs_diff_by_layer": per_layer, "first_layer_whose_input_differs": first,
+        rec = {"input_max_abs_diff_by_layer": per_layer, "first_layer_whose_input_differs": first,
                 "hidden_max_abs_diff": float(np.max(np.abs(a["hidden"] - b["hidden"]))),
                 "selection_rows_differing_by_layer": {str(i): _rows_differing(a["sel"][i], b["sel"][i])
                                                       for i in a["sel"]}}
+        if "attn" in a and "attn" in b:  # one-step compositions: the last layer's halves, with their inputs equal
+            rec["last_layer_attention_max_abs_diff"] = float(np.max(np.abs(a["attn"] - b["attn"])))
+            rec["last_layer_mlp_max_abs_diff"] = float(np.max(np.abs(a["mlp"] - b["mlp"])))
+        diff_T = np.any(a["hidden"] != b["hidden"], axis=-1)
+        rec["tokens_differing"] = np.flatnonzero(diff_T)[:32].tolist()
+        return rec
 
     n = prompt_len
     # R alone: the whole prompt, then its decode token.
@@ -104,7 +117,7 @@ def bisect(cfg, params, kernels, dtype, prompt_len: int, other_len: int, decode_
     kv, _ = run(kv, [RowPlan(prompt[:half], 0, pages(0), sample=False)], half)
     kv, out = run(kv, [RowPlan(prompt[half:], half, pages(0))], n - half)
     second = {k: (v[:, half:] if k == "aux" else v[half:]) if k != "sel" else {i: s[half:] for i, s in v.items()}
-              for k, v in alone_prefill.items()}
+              for k, v in alone_prefill.items() if k not in ("attn", "mlp")}
     results["chunked"] = compare(second, r_rows(out, 0, n - half))
     # R's decode token among others' (their prompts prefilled in one step first).
     others = [rng.integers(0, cfg.vocab_size, other_len).tolist() for _ in range(decode_rows - 1)]
@@ -146,6 +159,31 @@ def bisect(cfg, params, kernels, dtype, prompt_len: int, other_len: int, decode_
                   64, decode_rows)
     results["decode_beside_prefill"] = compare(alone_decode, r_rows(out, 0, 1))
     return results
+
+
+def last_layer_halves(params, kv, batch, x_TD, *, cfg, kernels) -> tuple[jax.Array, jax.Array]:
+    """The last layer's attention output and MLP output for every token of a step, recomputed from the layer's
+    input `x_TD` and the step's pages (rewriting a token's K/V writes the same values): when R's input rows are
+    equal but its output rows are not, this names the half that varies."""
+    from m3jax.model import IN_PLACE, LayerPages, attention, mlp, rms_norm, rope_tables
+
+    last = cfg.num_layers - 1
+    r, run = next((r, run) for r, run in enumerate(cfg.layer_runs) if last in run.layers)
+    j = run.layers.index(last)
+    rp = params["runs"][r]
+    whole = {g: {n: rp[g][n] for n in names if n in rp.get(g, {})} for g, names in IN_PLACE.items()}
+    rest = {g: ({n: w for n, w in v.items() if n not in whole.get(g, {})} if g in whole else v) for g, v in rp.items()}
+    lp = jax.tree.map(lambda a: a[j], rest)
+    lp = {g: {**v, **whole[g]} if g in whole else v for g, v in lp.items()}
+    flat = LayerPages(*(None if a is None else a.reshape(-1, *a.shape[2:])
+                        for a in (kv.k[r], kv.v[r], kv.index_k[r])))
+    ps = flat.k.shape[1]
+    b = batch.with_page_offset(j * (flat.k.shape[0] // run.count), ps)
+    rope = rope_tables(batch.positions, cfg.rotary_dim, cfg.rope_theta, x_TD.dtype)
+    h_TD = rms_norm(x_TD, lp["input_norm"], cfg.rms_norm_eps, kernels)
+    o_TD, _, _ = attention(lp, cfg, run.attn, h_TD, b, rope, flat, None, True, kernels, j)
+    h_TD = rms_norm(x_TD + o_TD, lp["post_attn_norm"], cfg.rms_norm_eps, kernels)
+    return o_TD, mlp(lp, cfg, run.mlp, h_TD, b, kernels, j)
 
 
 def main() -> None:

@@ -34,6 +34,9 @@ def test_invariant_tiles_ignore_the_batch():
         assert len(dense) == len(index) == len(sparse) == 1
         assert next(iter(dense)).pages_per_split >= pages  # never split: one program walks a row's keys in order
         assert next(iter(index)).topk == "pallas"
+        # Which loop body scores a page must not depend on the query block's other tokens (padding joins the
+        # last request's run at position 0): every page through the masked one.
+        assert next(iter(dense)).mask_every_page and next(iter(index)).mask_every_page
     # The tables without the flag do change with the batch: what the mode exists to avoid.
     assert len({tuning.dense_tiles(t, r, 64, 4, 16) for t, r in STEPS}) > 1
     for k, n in [(6144, 8192), (8192, 6144), (6144, 128), (6144, 200064)]:
@@ -173,3 +176,5 @@ def test_forward_rows_bitwise_invariant_with_the_flag():
     for name, r in results.items():
         assert r["first_layer_whose_input_differs"] is None and r["hidden_max_abs_diff"] == 0.0, (name, r)
         assert not any(r["selection_rows_differing_by_layer"].values()), (name, r)
+        assert r.get("last_layer_attention_max_abs_diff", 0.0) == r.get("last_layer_mlp_max_abs_diff", 0.0) == 0.0
+    assert "last_layer_mlp_max_abs_diff" in results["decode_beside_prefill"]

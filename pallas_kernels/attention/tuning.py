@@ -37,6 +37,10 @@ class IndexTiles:
     # (nothing to share), the program's bt-row tile is mostly masked, and the block metadata is an iota instead
     # of the run search's handful of small XLA kernels.
     block_tokens: int | None = None
+    # Every page through the masked loop body, as AttentionTiles.mask_every_page: which body scores a page
+    # otherwise depends on the other tokens of the query block (padding at position 0 joins the last request's
+    # run), and on the GPU the two bodies' dots need not round alike.
+    mask_every_page: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,7 +99,7 @@ def index_tiles(num_tokens: int, num_rows: int, pages_per_row: int, index_heads:
     # Batch-invariant: these tiles for every step. A decode token then scores in a 64-row dot like a prefill
     # token (the row's arithmetic does not change with the dot's height), and the top-k is always the second
     # launch, whose result does not depend on how the pages were split.
-    return IndexTiles(bt=max(min_bt, pow2_at_least(max(1, 64 // index_heads))), bp=32)
+    return IndexTiles(bt=max(min_bt, pow2_at_least(max(1, 64 // index_heads))), bp=32, mask_every_page=invariant)
 
 
 def sparse_tiles(num_tokens: int, num_rows: int, topk: int, heads_per_group: int, *,

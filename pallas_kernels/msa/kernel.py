@@ -49,7 +49,7 @@ class _FusedTopk:
 
 
 def _block_scores_kernel(start_ref, length_ref, row_ref, max_pos_ref, page_table_ref, pos_ref, iq_ref, ik_ref,
-                         *refs, bt: int, G: int, ps: int, bp: int, fused: _FusedTopk | None):
+                         *refs, bt: int, G: int, ps: int, bp: int, fused: _FusedTopk | None, mask_every_page: bool):
     qb, split = pl.program_id(0), pl.program_id(1)
     t0, n, row = start_ref[qb], length_ref[qb], row_ref[qb]
     P = page_table_ref.shape[1]
@@ -81,8 +81,8 @@ def _block_scores_kernel(start_ref, length_ref, row_ref, max_pos_ref, page_table
             s_MS = jnp.where(kpos_S[None, :] <= pos_M[:, None], s_MS, -jnp.inf)
         return jnp.where(col_C[None, :] == j, jnp.max(s_MS, axis=1)[:, None], best_MC)
 
-    # Only the last page or two of a prefill block pays for the causal mask.
-    whole = jnp.clip(whole_pages(pos_B, tok_ok_B, ps) - b0, 0, num)
+    # Only the last page or two of a prefill block pays for the causal mask (IndexTiles.mask_every_page: all).
+    whole = 0 if mask_every_page else jnp.clip(whole_pages(pos_B, tok_ok_B, ps) - b0, 0, num)
     best_MC = jnp.full((M, bp), -jnp.inf, jnp.float32)
     best_MC = lax.fori_loop(0, whole, functools.partial(body, masked=False), best_MC)
     best_MC = lax.fori_loop(whole, num, functools.partial(body, masked=True), best_MC)
@@ -129,7 +129,8 @@ def block_scores(iq_TGD: jax.Array, ik_pages: jax.Array, page_table_RP: jax.Arra
     if select is not None:
         kp = 1 << max(0, (select["topk"] - 1).bit_length())
         fused = _FusedTopk(num_splits=num_splits, P=P, kp=kp, interpret=interpret, **select)
-    kernel = functools.partial(_block_scores_kernel, bt=bt, G=G, ps=ps, bp=bp, fused=fused)
+    kernel = functools.partial(_block_scores_kernel, bt=bt, G=G, ps=ps, bp=bp, fused=fused,
+                               mask_every_page=tiles.mask_every_page)
     # Every column of the padded width is written (-inf where unseen), so the output needs no init.
     scores_shape = jax.ShapeDtypeStruct((T, G, num_splits * bp), jnp.float32)
     args = (qbs.start_Q, qbs.length_Q, qbs.row_Q, qbs.max_pos_Q, page_table_RP, pos_T.astype(jnp.int32), iq_TGD,

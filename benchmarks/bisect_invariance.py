@@ -36,6 +36,16 @@ def _rows_differing(a: np.ndarray, b: np.ndarray) -> int:
     return int(np.sum(np.any(a != b, axis=tuple(range(1, a.ndim)))))
 
 
+def _piece_diff(a: np.ndarray, b: np.ndarray) -> dict:
+    """How one intermediate of R's rows differs: max |difference|, and the first rows (tokens) that differ."""
+    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    with np.errstate(invalid="ignore"):
+        d = np.where(a64 == b64, 0.0, np.abs(a64 - b64))
+    rows = np.flatnonzero(np.any(d != 0, axis=tuple(range(1, d.ndim))))
+    return {"max_abs_diff": float(np.nan_to_num(np.max(d), nan=np.inf)) if d.size else 0.0,
+            "rows": rows[:16].tolist(), "num_rows": int(rows.size)}
+
+
 def bisect(cfg, params, kernels, dtype, prompt_len: int, other_len: int, decode_rows: int,
            big_bucket: int = 2048) -> dict:
     """{composition: comparison with R alone} (see the module docstring); `kernels` resolved, params prepared."""
@@ -56,7 +66,7 @@ def bisect(cfg, params, kernels, dtype, prompt_len: int, other_len: int, decode_
     def step(kv, batch):
         return fwd(params, kv, batch)
 
-    halves = jax.jit(functools.partial(last_layer_halves, cfg=cfg, kernels=kernels))
+    pieces = jax.jit(functools.partial(last_layer_pieces, cfg=cfg, kernels=kernels))
     last = cfg.num_layers - 1
 
     rng = np.random.default_rng(0)
@@ -72,16 +82,16 @@ def bisect(cfg, params, kernels, dtype, prompt_len: int, other_len: int, decode_
         t = time.perf_counter()
         out = step(kv, batch)
         jax.block_until_ready(out.hidden)
-        # The last layer's attention and MLP outputs, from its captured input and the step's pages.
-        out.halves = halves(params, out.kv, batch, out.aux_hidden[last])
+        # The last layer's intermediate values, from its captured input and the step's pages.
+        out.pieces = pieces(params, out.kv, batch, out.aux_hidden[last])
         print(f"[bisect] step of {num_tokens} tokens / {len(rows)} rows: {time.perf_counter() - t:.1f} s", flush=True)
         return out.kv, out
 
     def r_rows(out, start: int, n: int) -> dict:
         """R's rows of one step's outputs: aux hidden per layer, final hidden, selections per sparse layer."""
         sel = {i: np.asarray(s[start:start + n]) for i, s in out.selections.items()}
-        attn, mlp = (np.asarray(a[start:start + n].astype(jnp.float32)) for a in out.halves)
-        return {"attn": attn, "mlp": mlp, "aux": np.asarray(out.aux_hidden[:, start:start + n].astype(jnp.float32)),
+        pieces = {k: np.asarray(a[start:start + n]) for k, a in out.pieces.items()}
+        return {"pieces": pieces, "aux": np.asarray(out.aux_hidden[:, start:start + n].astype(jnp.float32)),
                 "hidden": np.asarray(out.hidden[start:start + n].astype(jnp.float32)), "sel": sel}
 
     def compare(a: dict, b: dict) -> dict:
@@ -91,9 +101,8 @@ def bisect(cfg, params, kernels, dtype, prompt_len: int, other_len: int, decode_
                 "hidden_max_abs_diff": float(np.max(np.abs(a["hidden"] - b["hidden"]))),
                 "selection_rows_differing_by_layer": {str(i): _rows_differing(a["sel"][i], b["sel"][i])
                                                       for i in a["sel"]}}
-        if "attn" in a and "attn" in b:  # one-step compositions: the last layer's halves, with their inputs equal
-            rec["last_layer_attention_max_abs_diff"] = float(np.max(np.abs(a["attn"] - b["attn"])))
-            rec["last_layer_mlp_max_abs_diff"] = float(np.max(np.abs(a["mlp"] - b["mlp"])))
+        if "pieces" in a and "pieces" in b:  # one-step compositions: the last layer's pieces, in order
+            rec["last_layer"] = {k: _piece_diff(a["pieces"][k], b["pieces"][k]) for k in a["pieces"]}
         diff_T = np.any(a["hidden"] != b["hidden"], axis=-1)
         rec["tokens_differing"] = np.flatnonzero(diff_T)[:32].tolist()
         return rec
@@ -117,7 +126,7 @@ def bisect(cfg, params, kernels, dtype, prompt_len: int, other_len: int, decode_
     kv, _ = run(kv, [RowPlan(prompt[:half], 0, pages(0), sample=False)], half)
     kv, out = run(kv, [RowPlan(prompt[half:], half, pages(0))], n - half)
     second = {k: (v[:, half:] if k == "aux" else v[half:]) if k != "sel" else {i: s[half:] for i, s in v.items()}
-              for k, v in alone_prefill.items() if k not in ("attn", "mlp")}
+              for k, v in alone_prefill.items() if k != "pieces"}
     results["chunked"] = compare(second, r_rows(out, 0, n - half))
     # R's decode token among others' (their prompts prefilled in one step first).
     others = [rng.integers(0, cfg.vocab_size, other_len).tolist() for _ in range(decode_rows - 1)]
@@ -161,11 +170,22 @@ def bisect(cfg, params, kernels, dtype, prompt_len: int, other_len: int, decode_
     return results
 
 
-def last_layer_halves(params, kv, batch, x_TD, *, cfg, kernels) -> tuple[jax.Array, jax.Array]:
-    """The last layer's attention output and MLP output for every token of a step, recomputed from the layer's
-    input `x_TD` and the step's pages (rewriting a token's K/V writes the same values): when R's input rows are
-    equal but its output rows are not, this names the half that varies."""
-    from m3jax.model import IN_PLACE, LayerPages, attention, mlp, rms_norm, rope_tables
+def last_layer_pieces(params, kv, batch, x_TD, *, cfg, kernels) -> dict[str, jax.Array]:
+    """The last layer's intermediate values for every token of a step ([T, ...] each), recomputed from the
+    layer's input `x_TD` and the step's pages (rewriting a token's K/V writes the same values): when R's input
+    rows are equal but its output rows are not, the first piece that differs names the op that varies.
+    attn / mlp: the two halves' outputs; sparse layers: index queries, block scores, selected blocks; MoE
+    layers on the kernels: normed input, router logits, expert ids and weights, each (token, choice) row of
+    the down GEMM's output, and the combine."""
+    from m3jax.model import IN_PLACE, LayerPages, apply_rope, attention, mlp, rms_norm, rope_tables
+    from pallas_kernels import ops
+    from pallas_kernels.attention import tuning
+    from pallas_kernels.attention.ragged import query_blocks
+    from pallas_kernels.moe import kernel as moe_kernel
+    from pallas_kernels.moe import layout
+    from pallas_kernels.moe.dispatch import invariant_router_logits
+    from pallas_kernels.moe.tiles import invariant_tiles
+    from pallas_kernels.msa.kernel import block_scores
 
     last = cfg.num_layers - 1
     r, run = next((r, run) for r, run in enumerate(cfg.layer_runs) if last in run.layers)
@@ -181,9 +201,44 @@ def last_layer_halves(params, kv, batch, x_TD, *, cfg, kernels) -> tuple[jax.Arr
     b = batch.with_page_offset(j * (flat.k.shape[0] // run.count), ps)
     rope = rope_tables(batch.positions, cfg.rotary_dim, cfg.rope_theta, x_TD.dtype)
     h_TD = rms_norm(x_TD, lp["input_norm"], cfg.rms_norm_eps, kernels)
-    o_TD, _, _ = attention(lp, cfg, run.attn, h_TD, b, rope, flat, None, True, kernels, j)
-    h_TD = rms_norm(x_TD + o_TD, lp["post_attn_norm"], cfg.rms_norm_eps, kernels)
-    return o_TD, mlp(lp, cfg, run.mlp, h_TD, b, kernels, j)
+    o_TD, _, blocks = attention(lp, cfg, run.attn, h_TD, b, rope, flat, None, True, kernels, j)
+    out = {"attn": o_TD}
+    impl, inv = kernels.attention, kernels.batch_invariant
+    if run.attn == "sparse" and impl != "reference":
+        ix = lp["index"]
+        iq = rms_norm(ops.project(h_TD, ix["wq"], "index.wq", impl=impl, layer=j, invariant=inv), ix["q_norm"],
+                      cfg.rms_norm_eps, kernels)
+        iq = apply_rope(iq, *rope)
+        R, P = b.page_table.shape
+        tiles = tuning.index_tiles(b.num_tokens, R, P, iq.shape[1], invariant=inv)
+        qbs = query_blocks(b.token_row, b.positions, bt=tiles.block_tokens or tiles.bt, num_rows=R)
+        scores = block_scores(iq, flat.index_k, b.page_table, b.positions, qbs, tiles=tiles,
+                              interpret=impl == "interpret")
+        out.update(index_q=iq, block_scores=scores, blocks=blocks)
+    h2_TD = rms_norm(x_TD + o_TD, lp["post_attn_norm"], cfg.rms_norm_eps, kernels)
+    out["mlp"] = mlp(lp, cfg, run.mlp, h2_TD, b, kernels, j)
+    m = lp.get("moe", {})
+    if run.mlp == "moe" and kernels.moe != "reference" and "experts" in m and inv:
+        interpret = kernels.moe == "interpret"
+        experts, shared_slot = moe_kernel.experts_of(m)
+        logits = invariant_router_logits(h2_TD, m["router"], impl=kernels.moe)
+        idx, w = moe_kernel.route(h2_TD, m["router"], m["router_bias"], cfg.num_experts_per_tok, logits)
+        pad_T = jnp.arange(b.num_tokens) >= b.query_start[-1]
+        idx = jnp.where(pad_T[:, None], idx[:1], idx)
+        tiles = moe_kernel._fitted_tiles(b.num_tokens, idx.shape[1] + int(shared_slot), experts,
+                                         invariant_tiles(layout.weight_format(experts), interpret=interpret),
+                                         interpret)
+        lay = moe_kernel.sort_and_pad(idx, w, num_slots=layout.num_slots(experts), shared_slot=shared_slot,
+                                      bm=tiles.bm, routed_scaling=cfg.routed_scaling_factor)
+        S = layout.num_slots(experts)
+        flat_e = {k: v.reshape(-1, *v.shape[2:]) if k != layout.WIDE_SCALES else v for k, v in experts.items()}
+        slot_B = jnp.where(lay.slot_B >= 0, lay.slot_B + j * S, -1)
+        act = moe_kernel.gate_up(h2_TD, lay.row_token_M, slot_B, lay.rows_B, flat_e, tiles, alpha=cfg.swiglu_alpha,
+                                 limit=cfg.swiglu_limit, interpret=interpret)
+        y_MD = moe_kernel.down(act, slot_B, lay.rows_B, flat_e, tiles, interpret=interpret)
+        out.update(mlp_input=h2_TD, router_logits=logits, expert_ids=idx, expert_weights=w,
+                   expert_rows=y_MD[lay.dest_TJ], combined=moe_kernel.combine(y_MD, lay.dest_TJ, lay.w_TJ))
+    return out
 
 
 def main() -> None:

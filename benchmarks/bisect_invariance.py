@@ -61,12 +61,13 @@ def bisect(cfg, params, kernels, dtype, prompt_len: int, other_len: int, decode_
     capture = tuple(range(cfg.num_layers))
     # params as an argument: closed over, jit would bake 20 GB of weights into the executable as constants.
     fwd = jax.jit(lambda params, kv, batch: forward(params, cfg, kv, batch, kernels, capture=capture,
-                                                    all_hidden=True))
+                                                    all_hidden=True), compiler_options=kernels.compiler_options)
 
     def step(kv, batch):
         return fwd(params, kv, batch)
 
-    pieces = jax.jit(functools.partial(last_layer_pieces, cfg=cfg, kernels=kernels))
+    pieces = jax.jit(functools.partial(last_layer_pieces, cfg=cfg, kernels=kernels),
+                     compiler_options=kernels.compiler_options)
     last = cfg.num_layers - 1
 
     rng = np.random.default_rng(0)

@@ -39,7 +39,8 @@ class M3Model:
         # The ops are sharded by the same rules as the params (pallas_kernels/sharded.py).
         self.kernels = (kernels or KernelChoice("auto", "auto")).resolve(rules.mesh.size).on(rules.topology)
         # cfg and the kernel choice are frozen dataclasses, so they can be static arguments; the pool is donated.
-        self._forward: Callable[..., ForwardOutput] = jax.jit(forward, static_argnums=(1, 4), donate_argnums=(2,))
+        self._forward: Callable[..., ForwardOutput] = jax.jit(forward, static_argnums=(1, 4), donate_argnums=(2,),
+                                                              compiler_options=self.kernels.compiler_options)
 
     @classmethod
     def create(cls, cfg: M3Config, host_params: Any, dtype: str = "float32", tensor_parallel_size: int = 1,

@@ -49,6 +49,15 @@ class KernelChoice:
             if value not in CHOICES:
                 raise ValueError(f"kernel choice for {family}: {value!r} is not one of {CHOICES}")
 
+    @property
+    def compiler_options(self) -> dict[str, bool] | None:
+        """XLA options every step compiled with this choice needs (`jax.jit(..., compiler_options=...)`).
+        Batch-invariant: no excess precision. By default XLA may drop a bf16 rounding between two fp32 ops
+        (convert f32 -> bf16 -> f32), and whether it finds such a pair depends on the shapes around it: on the
+        H100 a row's router logits changed by 2^-8 when its step's token count made the linear kernel's row
+        padding vanish (benchmarks/bisect_invariance.py), re-routing tokens."""
+        return {"xla_allow_excess_precision": False} if self.batch_invariant else None
+
     def resolve(self, device_count: int = 1) -> KernelChoice:
         """'auto' -> the Pallas kernels on a GPU, the references elsewhere, on any number of devices (the sharded
         ops run the kernels per shard; `device_count` no longer changes the choice and is kept for callers)."""

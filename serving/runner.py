@@ -174,7 +174,8 @@ class ModelRunner:
         self.cache = ExecutableCache(cache_dir) if cache_dir is not None else None
         self._fns = {
             "forward": jax.jit(functools.partial(_forward, cfg=self.cfg, kernels=model.kernels,
-                                                 logits_sharding=model.rules.replicated()), donate_argnums=(1, 2)),
+                                                 logits_sharding=model.rules.replicated()), donate_argnums=(1, 2),
+                               compiler_options=model.kernels.compiler_options),
             "sample": jax.jit(functools.partial(_sample, max_logprobs=MAX_LOGPROBS, num_prev=max_num_seqs)),
         }
         # Prompt logprobs: a second forward per token bucket (every token's logprobs), used only by steps that
@@ -187,7 +188,7 @@ class ModelRunner:
             # One executable a step: target, verification and the draft's passes (serving/speculative.py).
             self._fns["spec"] = jax.jit(functools.partial(
                 spec_step, cfg=self.cfg, dcfg=draft.dcfg, kernels=model.kernels, k=draft.k,
-                max_logprobs=MAX_LOGPROBS), donate_argnums=(2, 3, 4))
+                max_logprobs=MAX_LOGPROBS), donate_argnums=(2, 3, 4), compiler_options=model.kernels.compiler_options)
         self._executables: dict[tuple[str, int], Callable[..., Any]] = {}
         self._no_constraints: dict[int, TokenConstraints] = {}  # device copies of the empty constraints, by rows
         self.compile_log: list[dict[str, Any]] = []  # one entry per executable made: what, size, how, seconds

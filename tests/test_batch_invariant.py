@@ -111,10 +111,20 @@ def test_invariant_forward_equals_reference():
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
 
 
-def test_engine_serves_batch_invariant_exactly():
+def test_engine_serves_batch_invariant_exactly(monkeypatch):
     """`batch_invariant=True` through the whole engine (interpret kernels): greedy tokens batched and chunked equal
-    each request alone, and the setting reaches the compiled step."""
+    each request alone, and the setting reaches the compiled step, with XLA's excess precision off (the source
+    the H100 bisection found last: KernelChoice.compiler_options)."""
     from serving import LLM, SamplingParams
+
+    assert KernelChoice("pallas", "pallas").compiler_options is None
+    options, jit = [], jax.jit
+
+    def recording_jit(fun, *args, **kwargs):
+        options.append((getattr(getattr(fun, "func", fun), "__name__", ""), kwargs.get("compiler_options")))
+        return jit(fun, *args, **kwargs)
+
+    monkeypatch.setattr(jax, "jit", recording_jit)
 
     rng = np.random.default_rng(5)
     prompts = [rng.integers(1, 500, int(n)).tolist() for n in rng.integers(10, 40, 4)]
@@ -126,6 +136,8 @@ def test_engine_serves_batch_invariant_exactly():
         batched = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         alone = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
     assert batched == alone and all(len(t) == 6 for t in batched)
+    steps = [o for name, o in options if name in ("forward", "_forward")]
+    assert steps and all(o == {"xla_allow_excess_precision": False} for o in steps), options
 
 
 def test_speculation_under_the_flag_is_exact():

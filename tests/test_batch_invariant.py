@@ -39,9 +39,12 @@ def test_invariant_tiles_ignore_the_batch():
         assert next(iter(dense)).mask_every_page and next(iter(index)).mask_every_page
     # The tables without the flag do change with the batch: what the mode exists to avoid.
     assert len({tuning.dense_tiles(t, r, 64, 4, 16) for t, r in STEPS}) > 1
-    for k, n in [(6144, 8192), (8192, 6144), (6144, 128), (6144, 200064)]:
-        tiles = {pick_tiles(m, k, n, invariant=True) for m in (1, 3, 64, 65, 4096, 8192)}
-        assert len(tiles) == 1  # the K split too: it comes from K and N alone
+    for k, n in [(6144, 8192), (8192, 6144), (6144, 128), (6144, 200064), (6144, 16), (128, 16)]:
+        tiles = [pick_tiles(m, k, n, invariant=True) for m in (1, 3, 64, 65, 255, 256, 4096, 8192)]
+        # Each element's K order (the K step and the split) comes from K and N alone; only the output tile may
+        # widen with M (INVARIANT_WIDE_M), and never for the narrow fp32 sums (router, norms).
+        assert len({(t.bk, t.split) for t in tiles}) == 1
+        assert len(set(tiles)) == (2 if n > 128 else 1)
     for k, n in [(128, 16), (256, 16), (6144, 16), (6144, 8192)]:  # a split runs two K steps or more (tiles.py)
         t = pick_tiles(1, k, n, invariant=True)
         assert t.split == 1 or k // t.bk // t.split >= 2
@@ -52,13 +55,14 @@ def test_invariant_tiles_ignore_the_batch():
         assert fill_shard(t, 5, 6144, 384) == t  # a narrow shard's fill would split K by the block count
 
 
-@pytest.mark.parametrize("m", [1, 17, 64, 65, 130])
+@pytest.mark.parametrize("m", [1, 17, 64, 65, 130, 300])
 def test_linear_kernel_any_rows(m):
     """The invariant tiles take any M in row blocks (grouped launch order), equal to XLA's dot, and a row's result
-    is bitwise the same whatever M is."""
+    is bitwise the same whatever M is, the wide tiles of M >= INVARIANT_WIDE_M included."""
     key = jax.random.key(m)
-    x = jax.random.normal(key, (130, 256), jnp.float32)
-    w = jax.random.normal(jax.random.fold_in(key, 1), (256, 192), jnp.float32)
+    x = jax.random.normal(key, (300, 256), jnp.float32)
+    w = jax.random.normal(jax.random.fold_in(key, 1), (256, 256), jnp.float32)
+    assert (pick_tiles(m, 256, 256, invariant=True).bm == 128) == (m >= 256)
     got = linear_dispatch.linear(x[:m], w, impl="interpret", invariant=True)
     np.testing.assert_allclose(got, x[:m] @ w, rtol=1e-5, atol=1e-4)
     one = linear_dispatch.linear(x[:1], w, impl="interpret", invariant=True)

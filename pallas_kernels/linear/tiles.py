@@ -36,6 +36,12 @@ class LinearTiles:
 # programs for the HBM at one row block, as `pick_tiles` reasons, but never changing with M (kernel.py runs it
 # inside each program when the grid is large).
 INVARIANT_BM, INVARIANT_BN, INVARIANT_BK = 64, 128, 64
+# From this many rows on, a projection whose N takes 128-wide tiles runs 128 x 128 output tiles (8 warps, 3
+# stages): the 64 x 128 tiles ran a 1k prefill 50% over the default mode's cuBLAS GEMMs on the H100. Same 64-wide K
+# steps, same split, so each element's sum is the same: every M3 projection's rows were bitwise equal under
+# 128 x 128 and 128 x 256 tiles on the H100 (benchmarks/results/linear-invariance-h100.json). The fp32 router
+# and the norms' sums (N <= 128) keep the small tiles.
+INVARIANT_WIDE_M = 256
 
 
 def _occupancy_split(k_steps: int, n_tiles: int) -> int:
@@ -50,9 +56,10 @@ def _occupancy_split(k_steps: int, n_tiles: int) -> int:
     return split
 
 
-def invariant_tiles(k: int, n: int) -> LinearTiles | None:
-    """The batch-invariant tiles for a [*, k] @ [k, n] shard (any number of rows), or None if no K tile divides
-    it. An N that no tile divides (a tiny model's 8-expert router) is padded by the kernel to whole tiles."""
+def invariant_tiles(k: int, n: int, m: int = 1) -> LinearTiles | None:
+    """The batch-invariant tiles for an [m, k] @ [k, n] shard, or None if no K tile divides it. The K steps and
+    split depend on k and n alone; m only widens the output tile (INVARIANT_WIDE_M). An N that no tile divides (a
+    tiny model's 8-expert router) is padded by the kernel to whole tiles."""
     bn, bk = INVARIANT_BN, INVARIANT_BK
     while bn > 16 and n % bn:
         bn //= 2
@@ -60,14 +67,17 @@ def invariant_tiles(k: int, n: int) -> LinearTiles | None:
         bk //= 2
     if k % bk:
         return None
-    return LinearTiles(bm=INVARIANT_BM, bn=bn, bk=bk, split=_occupancy_split(k // bk, -(-n // bn)))
+    tiles = LinearTiles(bm=INVARIANT_BM, bn=bn, bk=bk, split=_occupancy_split(k // bk, -(-n // bn)))
+    if m >= INVARIANT_WIDE_M and bn == 128 and n > 128:
+        tiles = dataclasses.replace(tiles, bm=128, warps=8, stages=3)
+    return tiles
 
 
 def pick_tiles(m: int, k: int, n: int, *, max_m: int = MAX_M, invariant: bool = False) -> LinearTiles | None:
     """Tiles for an [m, k] @ [k, n] shard, or None when the XLA GEMM should run it (m too large, or no tile
     divides the shapes). `invariant`: `invariant_tiles` at every m."""
     if invariant:
-        return invariant_tiles(k, n) if m >= 1 else None
+        return invariant_tiles(k, n, m) if m >= 1 else None
     if m > max_m or m < 1:
         return None
     bm = max(16, pow2_at_least(m))

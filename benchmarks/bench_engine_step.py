@@ -35,20 +35,33 @@ def measure(core: Any, batch: int, context: int, steps: int) -> dict[str, Any]:
 
     cfg = core.model.cfg
     rng = np.random.default_rng(batch)
-    params = SamplingParams(temperature=0.0, max_tokens=steps * 3 + 8, ignore_eos=True)
+    # Long enough that no request finishes while the last ones are still prefilling (one token a step each).
+    prefill_steps = -(-batch * context // core.runner.token_buckets[-1])
+    params = SamplingParams(temperature=0.0, max_tokens=prefill_steps + steps * 3 + 8, ignore_eos=True)
     for _ in range(batch):
         req, _ = core.prepare(rng.integers(0, cfg.vocab_size, context).tolist(), params)
         core.submit(req)
-    # Prefill, until every request decodes one token per step.
+    # Prefill, until every request decodes one token per step. Submitted requests join at the next step, so the
+    # first step comes before the test (without it the loop never ran, and the "decode" steps timed were prefill
+    # chunks in the largest bucket).
+    core.step()
     while core.num_waiting or any(r.num_computed < r.num_prompt for r in core.scheduler.running):
         core.step()
     core.step()
+    if core.num_running != batch:
+        raise SystemExit(f"{core.num_running} of {batch} requests running after prefill: raise --max-num-seqs or "
+                         "the KV pool")
     t_engine, t_wait = [], []
+    tokens_before = core.stats["step_tokens"]
     for _ in range(steps):
         t, w = time.perf_counter(), core.stats["device_wait_us"]
         core.step()
         t_engine.append(time.perf_counter() - t)
         t_wait.append((core.stats["device_wait_us"] - w) / 1e6)
+
+    if core.stats["step_tokens"] - tokens_before != steps * batch:  # decode only: one token per request a step
+        raise SystemExit(f"the timed steps ran {core.stats['step_tokens'] - tokens_before} tokens, not "
+                         f"{steps} x {batch}")
 
     # The bare step: the same executable on a fixed decode batch, dispatched back to back.
     runner = core.runner

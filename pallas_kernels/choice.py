@@ -13,9 +13,10 @@ M3JAX_MOE_IMPL) once, when a configuration is built.
 `batch_invariant`: every op family runs one tile configuration whatever the step's token and row counts (no
 decode / mid / prefill regimes, no split counts chosen from occupancy, the dense linears, the router and the
 lm_head through the Pallas linear kernel at every M), so that no kernel's arithmetic for a row depends on what else
-is in the step; the RMS norms' sums go through the linear kernel as well. The tile tables say what each family runs
-then. The forward is then bitwise row-invariant on the CPU (interpret mode); on the GPU that is not yet measured
-after the last fixes: docs/benchmarks.md, "Batch invariance".
+is in the step; the RMS norms' sums go through the linear kernel as well, and the steps compile without XLA's excess
+precision (`compiler_options`). The tile tables say what each family runs then. The forward is then bitwise
+row-invariant on the CPU (interpret mode), and on an H100 the engine's greedy tokens are batch- and
+chunking-invariant (m3-slice-1moe): docs/benchmarks.md, "Batch invariance".
 
 `topology` (pallas_kernels/topology.py): the device mesh and sharding rules the forward runs under. On more than
 one device every op family runs through `jax.shard_map` (pallas_kernels/sharded.py), whatever the implementation:

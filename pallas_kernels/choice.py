@@ -54,9 +54,9 @@ class KernelChoice:
     def compiler_options(self) -> dict[str, bool] | None:
         """XLA options every step compiled with this choice needs (`jax.jit(..., compiler_options=...)`).
         Batch-invariant: no excess precision. By default XLA may drop a bf16 rounding between two fp32 ops
-        (convert f32 -> bf16 -> f32), and whether it finds such a pair depends on the shapes around it: on the
-        H100 a row's router logits changed by 2^-8 when its step's token count made the linear kernel's row
-        padding vanish (benchmarks/bisect_invariance.py), re-routing tokens."""
+        (convert f32 -> bf16 -> f32), and whether it finds such a pair depends on the shapes around it (a pad
+        between the RMS norm's bf16 output and the router's fp32 input comes and goes with the token count), so a
+        row's router logits, and its experts, would move with the batch."""
         return {"xla_allow_excess_precision": False} if self.batch_invariant else None
 
     def resolve(self, device_count: int = 1) -> KernelChoice:

@@ -36,11 +36,10 @@ class LinearTiles:
 # programs for the HBM at one row block, as `pick_tiles` reasons, but never changing with M (kernel.py runs it
 # inside each program when the grid is large).
 INVARIANT_BM, INVARIANT_BN, INVARIANT_BK = 64, 128, 64
-# From this many rows on, a projection whose N takes 128-wide tiles runs 128 x 128 output tiles (8 warps, 3
-# stages): the 64 x 128 tiles ran a 1k prefill 50% over the default mode's cuBLAS GEMMs on the H100. Same 64-wide K
-# steps, same split, so each element's sum is the same: every M3 projection's rows were bitwise equal under
-# 128 x 128 and 128 x 256 tiles on the H100 (benchmarks/results/linear-invariance-h100.json). The fp32 router
-# and the norms' sums (N <= 128) keep the small tiles.
+# From this many rows on (prefill), a projection whose N takes 128-wide tiles runs 128 x 128 output tiles (8 warps,
+# 3 stages) for the matrix units' sake. Same 64-wide K steps and the same split, so each element's sum is unchanged
+# (benchmarks/check_linear_invariance.py checks the rows bitwise on the device). The fp32 router and the norms'
+# sums (N <= 128) keep the small tiles.
 INVARIANT_WIDE_M = 256
 
 

@@ -68,6 +68,12 @@ def ops_probe(model: str, ms: list[int]) -> list[dict]:
     return out
 
 
+def first_diffs(got: list[list[int]], want: list[list[int]]) -> list[int | None]:
+    """Per request, the first output position where `got` differs from `want` (None: equal)."""
+    return [next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
+            for a, b in zip(got, want, strict=True)]
+
+
 def engine_run(args: argparse.Namespace, invariant: bool, prompts: list[list[int]]) -> dict:
     from serving import LLM, SamplingParams
 
@@ -113,8 +119,7 @@ def engine_run(args: argparse.Namespace, invariant: bool, prompts: list[list[int
            "prompt_lens": [len(p) for p in prompts], "output_len": args.output_len,
            "max_num_batched_tokens": args.max_num_batched_tokens,
            "equal_alone": sum(a == b for a, b in zip(alone, batch, strict=True)),
-           "first_diff_alone": [next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
-                                for a, b in zip(alone, batch, strict=True)],
+           "first_diff_alone": first_diffs(alone, batch),
            "batch_s": batch_s, "batch_s_all": times, "repeats_equal": all(r == batch for r in runs),
            "output_tok_s": len(prompts) * args.output_len / batch_s,
            "engine_decode_step_s": step_s, "device": jax.devices()[0].device_kind, "git_rev": git_rev()}
@@ -124,8 +129,7 @@ def engine_run(args: argparse.Namespace, invariant: bool, prompts: list[list[int
         small.core.shutdown()
         rec["chunk_budget"] = args.chunk_budget
         rec["equal_chunked"] = sum(a == b for a, b in zip(chunked, batch, strict=True))
-        rec["first_diff_chunked"] = [next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
-                                     for a, b in zip(chunked, batch, strict=True)]
+        rec["first_diff_chunked"] = first_diffs(chunked, batch)
     print(json.dumps(rec), flush=True)
     return rec
 

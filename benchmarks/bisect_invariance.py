@@ -178,7 +178,7 @@ def last_layer_pieces(params, kv, batch, x_TD, *, cfg, kernels) -> dict[str, jax
     attn / mlp: the two halves' outputs; sparse layers: index queries, block scores, selected blocks; MoE
     layers on the kernels: normed input, router logits, expert ids and weights, each (token, choice) row of
     the down GEMM's output, and the combine."""
-    from m3jax.model import IN_PLACE, LayerPages, apply_rope, attention, mlp, rms_norm, rope_tables
+    from m3jax.model import LayerPages, apply_rope, attention, mlp, rms_norm, rope_tables, split_in_place, with_in_place
     from pallas_kernels import ops
     from pallas_kernels.attention import tuning
     from pallas_kernels.attention.ragged import query_blocks
@@ -192,10 +192,8 @@ def last_layer_pieces(params, kv, batch, x_TD, *, cfg, kernels) -> dict[str, jax
     r, run = next((r, run) for r, run in enumerate(cfg.layer_runs) if last in run.layers)
     j = run.layers.index(last)
     rp = params["runs"][r]
-    whole = {g: {n: rp[g][n] for n in names if n in rp.get(g, {})} for g, names in IN_PLACE.items()}
-    rest = {g: ({n: w for n, w in v.items() if n not in whole.get(g, {})} if g in whole else v) for g, v in rp.items()}
-    lp = jax.tree.map(lambda a: a[j], rest)
-    lp = {g: {**v, **whole[g]} if g in whole else v for g, v in lp.items()}
+    whole, rest = split_in_place(rp)
+    lp = with_in_place(jax.tree.map(lambda a: a[j], rest), whole)
     flat = LayerPages(*(None if a is None else a.reshape(-1, *a.shape[2:])
                         for a in (kv.k[r], kv.v[r], kv.index_k[r])))
     ps = flat.k.shape[1]
@@ -219,16 +217,16 @@ def last_layer_pieces(params, kv, batch, x_TD, *, cfg, kernels) -> dict[str, jax
     h2_TD = rms_norm(x_TD + o_TD, lp["post_attn_norm"], cfg.rms_norm_eps, kernels)
     out["mlp"] = mlp(lp, cfg, run.mlp, h2_TD, b, kernels, j)
     m = lp.get("moe", {})
-    if run.mlp == "moe" and kernels.moe != "reference" and "experts" in m and inv:
-        interpret = kernels.moe == "interpret"
-        experts, shared_slot = moe_kernel.experts_of(m)
+    interpret = kernels.moe == "interpret"
+    experts, shared_slot = moe_kernel.experts_of(m) if "experts" in m else (None, False)
+    tiles = experts and inv and kernels.moe != "reference" and moe_kernel.kernel_tiles(
+        b.num_tokens, experts, interpret=interpret,
+        tiles=invariant_tiles(layout.weight_format(experts), interpret=interpret))
+    if run.mlp == "moe" and tiles:  # the pieces of what `ops.moe` ran on the kernels
         logits = invariant_router_logits(h2_TD, m["router"], impl=kernels.moe)
         idx, w = moe_kernel.route(h2_TD, m["router"], m["router_bias"], cfg.num_experts_per_tok, logits)
         pad_T = jnp.arange(b.num_tokens) >= b.query_start[-1]
         idx = jnp.where(pad_T[:, None], idx[:1], idx)
-        tiles = moe_kernel._fitted_tiles(b.num_tokens, idx.shape[1] + int(shared_slot), experts,
-                                         invariant_tiles(layout.weight_format(experts), interpret=interpret),
-                                         interpret)
         lay = moe_kernel.sort_and_pad(idx, w, num_slots=layout.num_slots(experts), shared_slot=shared_slot,
                                       bm=tiles.bm, routed_scaling=cfg.routed_scaling_factor)
         S = layout.num_slots(experts)

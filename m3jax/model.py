@@ -172,6 +172,19 @@ IN_PLACE = {"attn": ("wq", "wk", "wv", "wo"), "index": ("wq", "wk"), "mlp": ("w_
             "moe": ("experts",)}
 
 
+def split_in_place(rp: Params) -> tuple[Params, Params]:
+    """A run's stacked weights as (the `IN_PLACE` matrices, kept whole; the rest, which the scan slices per
+    layer)."""
+    whole = {g: {n: rp[g][n] for n in names if n in rp.get(g, {})} for g, names in IN_PLACE.items()}
+    rest = {g: ({n: w for n, w in v.items() if n not in whole.get(g, {})} if g in whole else v) for g, v in rp.items()}
+    return whole, rest
+
+
+def with_in_place(lp: Params, whole: Params) -> Params:
+    """One layer's sliced weights with the run's whole `IN_PLACE` stacks put back (read at the layer index)."""
+    return {g: {**v, **whole[g]} if g in whole else v for g, v in lp.items()}
+
+
 def run_layers(rp: Params, cfg: M3Config, run: LayerRun, x_TD: jax.Array, batch: Batch,
                rope: tuple[jax.Array, ...], pages: LayerPages, blocks: jax.Array | None, kernels: KernelChoice,
                unroll: bool = False, capture: tuple[int, ...] = (), aux_ATD: jax.Array | None = None
@@ -197,13 +210,12 @@ def run_layers(rp: Params, cfg: M3Config, run: LayerRun, x_TD: jax.Array, batch:
     capturing = any(s >= 0 for s in slots)
     # The big matrices are not sliced by the scan: the ops read the whole stack at the layer (a sliced operand of
     # a custom call is copied into a buffer of its own every iteration, all of a layer's weights).
-    whole = {g: {n: rp[g][n] for n in names if n in rp.get(g, {})} for g, names in IN_PLACE.items()}
-    rp = {g: ({n: w for n, w in v.items() if n not in whole.get(g, {})} if g in whole else v) for g, v in rp.items()}
+    whole, rp = split_in_place(rp)
 
     def layer(carry: tuple, xs: tuple) -> tuple[tuple, jax.Array | None]:
         x, pages, reuse, aux = carry
         lp, j, recompute, slot = xs
-        lp = {g: {**v, **whole[g]} if g in whole else v for g, v in lp.items()}
+        lp = with_in_place(lp, whole)
         if capturing:
             if isinstance(slot, int):  # unrolled: static
                 aux = aux if slot < 0 else aux.at[slot].set(x)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 from pathlib import Path
 
@@ -23,12 +24,14 @@ from benchmarks.timing import git_rev
 
 
 def shapes(cfg) -> dict[str, tuple[int, int, str]]:
-    """{name: (K, N, dtype)} of the projections the batch-invariant mode runs through the linear kernel."""
+    """{name: (K, N, kind)} of the products the batch-invariant mode runs through the linear kernel. kind "bf16":
+    a bf16 projection (`linear`); "router": bf16 activations times the fp32 router, "norm_sum": fp32 squares times
+    bf16 ones (both `linear_fp32`, fp32 out)."""
     d, hd = cfg.hidden_size, cfg.head_dim
     return {"q": (d, cfg.num_heads * hd, "bf16"), "kv": (d, cfg.num_kv_heads * hd, "bf16"),
             "o": (cfg.num_heads * hd, d, "bf16"), "mlp_up": (d, cfg.dense_intermediate_size, "bf16"),
-            "mlp_down": (cfg.dense_intermediate_size, d, "bf16"), "router": (d, cfg.num_experts, "fp32"),
-            "norm_sum": (d, 16, "fp32"), "head_norm_sum": (hd, 16, "fp32")}
+            "mlp_down": (cfg.dense_intermediate_size, d, "bf16"), "router": (d, cfg.num_experts, "router"),
+            "norm_sum": (d, 16, "norm_sum"), "head_norm_sum": (hd, 16, "norm_sum")}
 
 
 def main() -> None:
@@ -48,17 +51,23 @@ def main() -> None:
     cfg = preset(args.model)
     records = []
     for name, (k, n, dt) in shapes(cfg).items():
-        dtype = jnp.bfloat16 if dt == "bf16" else jnp.float32
         key = jax.random.key(k * 7 + n)
-        x = jax.random.normal(key, (max(args.m), k), jnp.float32).astype(dtype)
-        w = (jax.random.normal(jax.random.fold_in(key, 1), (k, n), jnp.float32) / np.sqrt(k)).astype(dtype)
-        run = jax.jit(lambda x, w: dispatch.linear(x, w, impl=args.impl, invariant=True))
+        x = jax.random.normal(key, (max(args.m), k), jnp.float32)
+        w = jax.random.normal(jax.random.fold_in(key, 1), (k, n), jnp.float32) / np.sqrt(k)
+        if dt == "bf16":
+            x, w = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+            product = functools.partial(dispatch.linear, impl=args.impl, invariant=True)
+        else:
+            x = x.astype(jnp.bfloat16) if dt == "router" else x * x
+            w = w if dt == "router" else jnp.ones_like(w, jnp.bfloat16)
+            product = functools.partial(dispatch.linear_fp32, impl=args.impl)
+        run = jax.jit(product)
         rows = {m: np.asarray(run(x[:m], w)[:1].astype(jnp.float32)) for m in args.m}
         base = rows[min(args.m)]
         ref = np.asarray(jnp.dot(x[:1].astype(jnp.float32), w.astype(jnp.float32),
                                  precision=jax.lax.Precision.HIGHEST))
         rec = {"op": "linear_row_invariance", "case": name, "shape": {"k": k, "n": n}, "dtype": dt,
-               "tiles": str(dispatch.tiles_for(1, k, n, args.impl, True)),
+               "tiles": str(dispatch.tiles_for(1, k, n, args.impl, True)) if dt == "bf16" else "linear_fp32",
                "row0_max_abs_diff_by_m": {str(m): float(np.max(np.abs(r - base))) for m, r in rows.items()},
                "max_abs_err_vs_fp32": float(np.max(np.abs(base - ref)))}
         # The same M with the split forced across programs and forced inside each program.
@@ -68,7 +77,7 @@ def main() -> None:
             orig = kernel._in_program
             kernel._in_program = lambda tiles, blocks, n_tiles, mode=mode: tiles.split > 1 and mode
             try:
-                f = jax.jit(lambda x, w: dispatch.linear(x, w, impl=args.impl, invariant=True))
+                f = jax.jit(lambda x, w, product=product: product(x, w))  # a new jit traces the patched choice
                 forced[mode] = np.asarray(f(x[:m], w).astype(jnp.float32))
             finally:
                 kernel._in_program = orig
@@ -78,7 +87,7 @@ def main() -> None:
         # Other tile shapes over the same K order (same split and bk-step sequence of MMAs): same bits?
         base_tiles = dispatch.tiles_for(m, k, n, args.impl, True)
         rec["alt_tiles_max_abs_diff"] = {}
-        for spec in args.alt_tiles:
+        for spec in args.alt_tiles if dt == "bf16" else ():
             bm, bn, bk, warps, stages = (int(v) for v in spec.split(","))
             alt = dataclasses.replace(base_tiles, bm=bm, bn=min(bn, n), bk=bk, warps=warps, stages=stages)
             if n % alt.bn or k % (alt.bk * alt.split):

@@ -87,6 +87,30 @@ def test_linear_split_inside_or_across_programs_is_the_same_sum(monkeypatch):
     np.testing.assert_allclose(np.asarray(many, np.float32), np.asarray(x @ w, np.float32), rtol=2e-2, atol=0.1)
 
 
+@pytest.mark.parametrize("x_dtype,w_dtype", [(jnp.bfloat16, jnp.float32), (jnp.float32, jnp.bfloat16),
+                                             (jnp.float32, jnp.float32)])
+def test_fp32_linear_through_bf16_pieces(x_dtype, w_dtype):
+    """The router and the norms' sums (`linear_fp32`): fp32 operands as bf16 pieces whose sum is exact, one bf16
+    GEMM on the invariant tiles. As close to full-fp32 products as fp32 accumulation allows (XLA's default fp32
+    GEMM on the GPU, TF32, is a thousand times coarser), and a row's bits do not move with M."""
+    key = jax.random.key(7)
+    w32 = jax.random.normal(jax.random.fold_in(key, 1), (256, 128), jnp.float32) / 16
+    assert all(p.dtype == jnp.bfloat16 for p in linear_dispatch.bf16_pieces(w32))
+    assert bool(jnp.all(sum(p.astype(jnp.float32) for p in linear_dispatch.bf16_pieces(w32)) == w32))
+    x = jax.random.normal(key, (70, 256), jnp.float32).astype(x_dtype)
+    w = w32.astype(w_dtype)
+    exact = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+    rows = {m: np.asarray(linear_dispatch.linear_fp32(x[:m], w, impl="interpret")) for m in (1, 3, 70)}
+    assert rows[70].dtype == np.float32
+    np.testing.assert_allclose(rows[70], exact, rtol=0, atol=2e-6 * np.abs(exact).max())
+    for m in (3, 70):
+        np.testing.assert_array_equal(rows[m][:1], rows[1])
+    # Where no tile fits, XLA's full-precision GEMM.
+    narrow = np.asarray(x[:2, :100], np.float64) @ np.asarray(w[:100], np.float64)
+    np.testing.assert_allclose(linear_dispatch.linear_fp32(x[:2, :100], w[:100], impl="interpret"), narrow,
+                               rtol=1e-6, atol=1e-6)
+
+
 def test_ordered_sum_adds_in_index_order_at_every_shape():
     """ordered_sum is ((x0 + x1) + x2) + ... per element, however many rows share the call: 1e8 + 1 rounds back
     to 1e8 in fp32, so this row sums to 0 in index order and to 1 in any order that adds 1e8 - 1e8 first."""

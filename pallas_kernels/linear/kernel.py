@@ -72,10 +72,11 @@ def _in_program(tiles: LinearTiles, blocks: int, n_tiles: int) -> bool:
 
 
 def linear(x_MK: jax.Array, w_KN: jax.Array, *, tiles: LinearTiles, interpret: bool = False,
-           layer: jax.Array | int | None = None) -> jax.Array:
-    """x @ w in x's dtype (fp32 accumulation), in row blocks of tiles.bm (one block at the small-M table's sizes;
-    the batch-invariant tiles take any M). With `layer`, w is [layers, K, N] and x @ w[layer] is computed without
-    slicing w."""
+           layer: jax.Array | int | None = None, out_dtype: jnp.dtype | None = None) -> jax.Array:
+    """x @ w in `out_dtype` (default x's dtype; fp32 accumulation), in row blocks of tiles.bm (one block at the
+    small-M table's sizes; the batch-invariant tiles take any M). With `layer`, w is [layers, K, N] and x @ w[layer]
+    is computed without slicing w."""
+    out_dtype = x_MK.dtype if out_dtype is None else out_dtype
     M, K = x_MK.shape
     K2, N = w_KN.shape[-2:]
     if K != K2 or K % (tiles.bk * tiles.split) or w_KN.ndim != 2 + (layer is not None):
@@ -96,7 +97,7 @@ def linear(x_MK: jax.Array, w_KN: jax.Array, *, tiles: LinearTiles, interpret: b
         functools.partial(_linear_kernel, bm=tiles.bm, bn=tiles.bn, bk=tiles.bk,
                           per_split=K // tiles.bk // tiles.split, split=tiles.split, blocks=blocks,
                           in_program=in_program),
-        out_shape=jax.ShapeDtypeStruct(shape, x_MK.dtype if spread == 1 else jnp.float32),
+        out_shape=jax.ShapeDtypeStruct(shape, out_dtype if spread == 1 else jnp.float32),
         grid=(blocks * (N // tiles.bn), spread),
         compiler_params=plgpu.CompilerParams(num_warps=tiles.warps, num_stages=tiles.stages),
         interpret=interpret,
@@ -105,4 +106,4 @@ def linear(x_MK: jax.Array, w_KN: jax.Array, *, tiles: LinearTiles, interpret: b
     )(row0, x, w_KN)
     if spread > 1:  # one add after another, in split order: the order the in-program sum takes
         out = ordered_sum(out, axis=0)
-    return out[:M, :n_out].astype(x_MK.dtype)
+    return out[:M, :n_out].astype(out_dtype)

@@ -19,10 +19,9 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
 
 from pallas_kernels.choice import IMPLS
-from pallas_kernels.linear.dispatch import linear
+from pallas_kernels.linear.dispatch import linear, linear_fp32
 from pallas_kernels.moe import layout, reference
 from pallas_kernels.moe.kernel import experts_of, kernel_tiles, moe_pallas
 from pallas_kernels.moe.reference import dense_mlp
@@ -74,6 +73,7 @@ def invariant_routing(h_TD: jax.Array, p: dict, impl: str) -> dict:
 
 
 def invariant_router_logits(h_TD: jax.Array, router_DE: jax.Array, *, impl: str) -> jax.Array:
-    """fp32 router logits [T, E] through the linear kernel's batch-invariant tiles (full-fp32 products): XLA's
-    GEMM may change its algorithm, and with it a row's sum, with T, and a flipped logit re-routes a token."""
-    return linear(h_TD.astype(jnp.float32), router_DE.astype(jnp.float32), impl=impl, invariant=True)
+    """fp32 router logits [T, E] through the linear kernel's batch-invariant tiles (`linear_fp32`: the exact
+    products of the activations and the fp32 router): XLA's GEMM may change its algorithm, and with it a row's sum,
+    with T, and a flipped logit re-routes a token."""
+    return linear_fp32(h_TD, router_DE, impl=impl)

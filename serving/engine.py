@@ -3,32 +3,73 @@
 The core runs its own step thread; `generate` prepares a request on the caller's loop, hands it to the core, and
 streams the core's outputs back through an asyncio queue. Cancelling the iteration (a client that went away)
 aborts the request, which frees its pages at the core's next step.
+
+A step emits one output per running request. They cross to the event loop through one `_Mailbox` per loop: one
+wake-up of the loop per burst of outputs, not one per output (each wake-up is a write to the loop's self-pipe
+and a hand-over of the GIL, on the step thread's time).
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
+import weakref
+from collections import deque
 from collections.abc import AsyncIterator
 
 from serving.core import EngineCore, Prompt
 from serving.outputs import RequestOutput, SamplingParams
 
 
+class _Mailbox:
+    """Outputs posted from the core's step thread to queues of one event loop. The first post of a burst
+    schedules one drain on the loop; later posts before it runs only append. Per queue, outputs keep their order."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._pending: deque[tuple[asyncio.Queue[RequestOutput], RequestOutput]] = deque()
+        self._scheduled = False
+
+    def post(self, queue: asyncio.Queue[RequestOutput], out: RequestOutput) -> None:
+        with self._lock:
+            self._pending.append((queue, out))
+            if self._scheduled:
+                return
+            self._scheduled = True
+        self._loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:
+        with self._lock:
+            items, self._pending = self._pending, deque()
+            self._scheduled = False
+        for queue, out in items:
+            queue.put_nowait(out)
+
+
 class AsyncEngine:
     def __init__(self, core: EngineCore):
         self.core = core
+        self._mailboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Mailbox] = \
+            weakref.WeakKeyDictionary()
         core.start()
+
+    def _mailbox(self, loop: asyncio.AbstractEventLoop) -> _Mailbox:
+        box = self._mailboxes.get(loop)
+        if box is None:
+            box = self._mailboxes[loop] = _Mailbox(loop)
+        return box
 
     async def generate(self, prompt: Prompt, params: SamplingParams | None = None,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Stream RequestOutputs of one request (with n > 1, of each choice: `outputs[0].index` says which;
         the stream ends when every choice has finished). Raises ValueError at once for a bad request and
         RuntimeError when the engine failed it."""
-        loop = asyncio.get_running_loop()
+        box = self._mailbox(asyncio.get_running_loop())
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         group = self.core.prepare_group(prompt, params, request_id)
         for req, text in group:
-            self.core.submit(req, text, sink=lambda out: loop.call_soon_threadsafe(queue.put_nowait, out))
+            self.core.submit(req, text, sink=lambda out: box.post(queue, out))
         rid = group[0][0].parent_id or group[0][0].request_id
         left = len(group)
         try:

@@ -273,6 +273,33 @@ def test_async_engine_streams_and_cancel_frees_pages(llm):
     assert llm.core.pages_in_use == 0
 
 
+def test_step_outputs_reach_the_loop_in_one_wakeup_per_burst():
+    """A step's outputs (one per running request) cross to the event loop with one wake-up, in order per queue."""
+    import threading
+
+    from serving.engine import _Mailbox
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        wakeups = []
+        schedule = loop.call_soon_threadsafe
+        loop.call_soon_threadsafe = lambda *a: (wakeups.append(1), schedule(*a))[1]
+        box = _Mailbox(loop)
+        queues = [asyncio.Queue() for _ in range(4)]
+        step = threading.Thread(target=lambda: [box.post(queues[i % 4], i) for i in range(64)])
+        step.start()
+        step.join()  # the loop is held here: every post of the burst lands before the drain runs
+        await asyncio.sleep(0)
+        first = [[q.get_nowait() for _ in range(q.qsize())] for q in queues]
+        box.post(queues[0], 64)  # the next burst schedules its own drain
+        await asyncio.sleep(0)
+        return first, queues[0].get_nowait(), len(wakeups)
+
+    got, late, wakeups = asyncio.run(main())
+    assert got == [list(range(i, 64, 4)) for i in range(4)]
+    assert late == 64 and wakeups == 2
+
+
 def test_restart_loads_compiled_steps_from_disk(tmp_path):
     """A second engine with the same settings neither traces nor compiles: its executables come from disk."""
     settings = dict(model="m3-tiny", dtype="float32", max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16,

@@ -219,9 +219,9 @@ def run_layers(rp: Params, cfg: M3Config, run: LayerRun, x_TD: jax.Array, batch:
         if capturing:
             if isinstance(slot, int):  # unrolled: static
                 aux = aux if slot < 0 else aux.at[slot].set(x)
-            else:
-                aux = jax.lax.cond(slot >= 0, lambda a: jax.lax.dynamic_update_index_in_dim(a, x, slot, 0),
-                                   lambda a: a, aux)
+            else:  # no lax.cond: on the GPU its predicate is read back on the host, stalling the dispatch
+                at = jnp.maximum(slot, 0)
+                aux = jax.lax.dynamic_update_index_in_dim(aux, jnp.where(slot >= 0, x, aux[at]), at, 0)
         x, pages, sel = decoder_layer(lp, cfg, run, x, batch.with_page_offset(j * num_pages, ps), rope, pages,
                                       reuse if sparse else None, True if recompute_all else recompute, kernels, j)
         return (x, pages, sel if sparse else reuse, aux), sel

@@ -50,6 +50,8 @@ from serving.sampling import (
     SampleOutput,
     SamplingTensors,
     TokenConstraints,
+    greedy,
+    plain_greedy,
     prompt_logprobs,
     record_history,
     sample,
@@ -153,10 +155,17 @@ def _forward(params: Any, kv: KVPages, history: PenaltyHistory, prev_tokens: jax
 
 def _sample(logits: jax.Array, history: PenaltyHistory, sampling: SamplingTensors, constraints: TokenConstraints,
             *, max_logprobs: int, num_prev: int) -> tuple[jax.Array, SampleOutput]:
-    sampled = sample(logits, sampling, max_logprobs, history, constraints)
+    return _with_next_prev(sample(logits, sampling, max_logprobs, history, constraints), num_prev)
+
+
+def _sample_greedy(logits: jax.Array, *, max_logprobs: int, num_prev: int) -> tuple[jax.Array, SampleOutput]:
+    """The "sample_greedy" executable: a step whose rows are all plainly greedy (`sampling.plain_greedy`)."""
+    return _with_next_prev(greedy(logits, max_logprobs), num_prev)
+
+
+def _with_next_prev(sampled: SampleOutput, num_prev: int) -> tuple[jax.Array, SampleOutput]:
     # The next step's placeholders index this: one shape whatever the row count.
-    next_prev = jnp.zeros((num_prev,), jnp.int32).at[: sampled.tokens.shape[0]].set(sampled.tokens)
-    return next_prev, sampled
+    return jnp.zeros((num_prev,), jnp.int32).at[: sampled.tokens.shape[0]].set(sampled.tokens), sampled
 
 
 class ModelRunner:
@@ -177,6 +186,8 @@ class ModelRunner:
                                                  logits_sharding=model.rules.replicated()), donate_argnums=(1, 2),
                                compiler_options=model.kernels.compiler_options),
             "sample": jax.jit(functools.partial(_sample, max_logprobs=MAX_LOGPROBS, num_prev=max_num_seqs)),
+            "sample_greedy": jax.jit(functools.partial(_sample_greedy, max_logprobs=MAX_LOGPROBS,
+                                                       num_prev=max_num_seqs)),
         }
         # Prompt logprobs: a second forward per token bucket (every token's logprobs), used only by steps that
         # hold such a request, so that the others pay nothing.
@@ -238,6 +249,8 @@ class ModelRunner:
             if what == "forward_plp":
                 host = (*host, np.full(size, -1, np.int32))
             device = (self.model.params, self.kv, self.history, self.prev_tokens)
+        elif what == "sample_greedy":
+            host, device = (), (jax.ShapeDtypeStruct((size, V), jnp.float32, sharding=replicated),)
         else:
             host = (SamplingTensors.build([], [], size, num_slots=self.max_num_seqs),
                     TokenConstraints.empty(size, V))
@@ -299,12 +312,14 @@ class ModelRunner:
             on_done(entry)
 
     def shapes(self) -> list[tuple[str, int]]:
-        """Every executable serving can need: a forward per token bucket, a sampling per row count."""
+        """Every executable serving can need: a forward per token bucket, two samplings per row count (the
+        general one and the plainly greedy one)."""
         if self.draft is not None:
             return [("spec", t) for t in self.token_buckets]
         rows = sorted({self.rows_for(t) for t in self.token_buckets})
         plp = [("forward_plp", t) for t in self.token_buckets] if self.enable_prompt_logprobs else []
-        return [("forward", t) for t in self.token_buckets] + plp + [("sample", r) for r in rows]
+        return ([("forward", t) for t in self.token_buckets] + plp + [("sample", r) for r in rows]
+                + [("sample_greedy", r) for r in rows])
 
     @property
     def num_executables(self) -> int:
@@ -409,11 +424,14 @@ class ModelRunner:
     def sample(self, step: InFlight, constraints: TokenConstraints | None = None) -> None:
         """Dispatch a launched step's sampling (None: no biases, no grammar)."""
         rows = step.num_rows
-        if constraints is None:
-            constraints = self._empty_constraints(rows)
         try:
-            self.prev_tokens, step.out = self.executable("sample", rows)(step.logits, self.history, step.sampling,
-                                                                        constraints)
+            if constraints is None and not step.want_logprobs and plain_greedy(step.sampling, self.max_num_seqs):
+                self.prev_tokens, step.out = self.executable("sample_greedy", rows)(step.logits)
+            else:
+                if constraints is None:
+                    constraints = self._empty_constraints(rows)
+                self.prev_tokens, step.out = self.executable("sample", rows)(step.logits, self.history,
+                                                                            step.sampling, constraints)
         except Exception as e:
             self._reset_state()
             raise StepFailed(f"step failed: {e}") from e

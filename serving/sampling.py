@@ -231,7 +231,9 @@ def record_history(h: PenaltyHistory, rows: HistoryRows, token_ids_T: jax.Array,
         slots = jnp.where(rows.reset, rows.slot, S)
         return tables[0].at[slots].set(False, mode="drop"), tables[1].at[slots].set(0, mode="drop")
 
-    seen, counts = jax.lax.cond(jnp.any(rows.reset & (rows.slot < S)), clear, lambda t: t, (seen, counts))
+    # Always, not under a lax.cond on "any row resets": on the GPU a conditional's predicate is read back on the
+    # host, so dispatching the forward would wait for the step before it (rows that do not reset are dropped).
+    seen, counts = clear((seen, counts))
     valid_T = jnp.arange(token_ids_T.shape[0]) < num_valid
     slot_T = jnp.where(valid_T, rows.slot[token_row_T], S)
     output_T = (positions_T >= rows.prompt_len[token_row_T]).astype(jnp.int32)
@@ -442,6 +444,24 @@ def sample(logits: jax.Array, t: SamplingTensors, max_logprobs: int, history: Pe
 
     token_logprobs, top_ids, top_logprobs = logprobs_of(raw_logprobs, tokens, max_logprobs)
     return SampleOutput(tokens, token_logprobs, top_ids, top_logprobs, accept, residual)
+
+
+def greedy(logits: jax.Array, max_logprobs: int) -> SampleOutput:
+    """`sample` for a step whose every row is greedy and asks for nothing else (no penalty, bias, grammar or
+    logprobs: `plain_greedy`): the same tokens, the argmax of the fp32 logits, which `sample` leaves unchanged
+    for such rows. None of `sample`'s conditionals: on the GPU a conditional's predicate is read back on the host,
+    so dispatching `sample` waits for the forward before it, and the host cannot prepare the next step
+    meanwhile. The logprob fields are zeros (no row asked for them)."""
+    L = logits.shape[0]
+    tokens = jnp.argmax(logits.astype(jnp.float32), axis=-1).astype(jnp.int32)
+    return SampleOutput(tokens, jnp.zeros((L,), jnp.float32), jnp.zeros((L, max_logprobs), jnp.int32),
+                        jnp.zeros((L, max_logprobs), jnp.float32))
+
+
+def plain_greedy(t: SamplingTensors, num_slots: int) -> bool:
+    """Host side: whether every row of host `SamplingTensors` is greedy without penalties (padding rows are),
+    so that `greedy` gives the tokens `sample` would (biases, grammars and logprobs are the caller's to rule out)."""
+    return bool(np.all(np.asarray(t.temperature) <= GREEDY_EPS) and np.all(np.asarray(t.slot) >= num_slots))
 
 
 def logprobs_of(raw_logprobs: jax.Array, tokens: jax.Array, max_logprobs: int

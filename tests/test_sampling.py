@@ -18,6 +18,8 @@ from serving.sampling import (
     PenaltyHistory,
     SamplingTensors,
     apply_penalties,
+    greedy,
+    plain_greedy,
     prompt_logprobs,
     record_history,
     sample,
@@ -84,6 +86,21 @@ def test_greedy_is_argmax_and_logprobs_are_raw_log_softmax() -> None:
     np.testing.assert_allclose(out.logprobs, ref[np.arange(N_EMPIRICAL), out.tokens], atol=1e-5)
     np.testing.assert_array_equal(out.top_ids, np.argsort(-logits, axis=-1, kind="stable")[:, :K_LOGPROBS])
     np.testing.assert_allclose(out.top_logprobs, np.sort(ref, -1)[:, ::-1][:, :K_LOGPROBS], atol=1e-5)
+
+
+def test_plain_greedy_steps_take_the_branch_free_sampler() -> None:
+    """The "sample_greedy" executable (`greedy`) gives the tokens `sample` gives when the host finds every row
+    plainly greedy (`plain_greedy`); a sampled or penalised row sends the step to `sample`."""
+    logits = random_logits(64, seed=4, scale=3.0)
+    logits[5, [2, 11]] = logits[5].max() + 1.0  # a tie
+    t = SamplingTensors.build([P()] * 60, [0] * 60, 64, num_slots=8)
+    assert plain_greedy(t, 8)
+    out = jax.tree.map(np.asarray, jax.jit(greedy, static_argnums=1)(jnp.asarray(logits), K_LOGPROBS))
+    np.testing.assert_array_equal(out.tokens, run(logits, t).tokens)
+    assert out.top_ids.shape == (64, K_LOGPROBS)
+    assert not plain_greedy(SamplingTensors.build([P(), P(temperature=0.7)], [0, 0], 4, num_slots=8), 8)
+    penalised = SamplingTensors.build([P(), P(frequency_penalty=0.5)], [0, 0], 4, slots=[0, 1], num_slots=8)
+    assert not plain_greedy(penalised, 8)
 
 
 def test_prompt_logprobs_are_the_lm_heads_raw_log_softmax_in_padded_chunks() -> None:

@@ -49,7 +49,7 @@ def _spec(k: int, model: str | None = None) -> str:
 
 @pytest.fixture(scope="module")
 def reference():
-    with LLM(**BASE) as llm:
+    with LLM(**dict(BASE, warmup=True)) as llm:  # warm: its features run inside the no-compile check below
         outs = llm.generate(_prompts(), _params(), use_tqdm=False)
         yield llm, [o.outputs[0].token_ids for o in outs], [o.outputs[0].finish_reason for o in outs]
 

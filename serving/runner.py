@@ -9,7 +9,8 @@ Two calls rather than one so that a grammar's token mask, which needs the previo
 is computed while the device runs the forward: `launch` dispatches the forward and, unless told to wait for
 constraints, the sampling; `sample` dispatches a deferred sampling; `collect` waits for the tokens.
 
-Shapes: one forward executable per token bucket and one sampling executable per row count. The token count of a
+Shapes: one forward executable per token bucket and two sampling executables per row count (the general one, and
+a branch-free one for steps whose rows are all plainly greedy). The token count of a
 step is padded to the next bucket (powers of two from 8 up to `max_num_batched_tokens`) and its rows to
 min(bucket, max_num_seqs), the most rows that many tokens can hold, so the row count never multiplies the
 executables. The page table is always `max_model_len / page_size` wide (attention shapes never depend on the
@@ -18,6 +19,8 @@ request asks for makes a new shape: after `warmup` the engine never compiles.
 
 Async hand-off: a token the previous step samples is a placeholder in the next step's rows; the forward reads it
 from that step's device output (`prev_tokens`), so step N+1 is dispatched before step N's tokens reach the host.
+That overlap needs dispatch itself not to wait for the device, and on the GPU a `lax.cond` does (XLA reads its
+predicate back on the host): the decode forward and the greedy sampling hold none (tests/test_step_lowering.py).
 """
 
 from __future__ import annotations

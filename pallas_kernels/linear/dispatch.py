@@ -67,7 +67,7 @@ def linear_fp32(x_MK: jax.Array, w_KN: jax.Array, *, impl: str) -> jax.Array:
     bf16 pieces (`bf16_pieces`), the products of piece pairs whose sum carries fp32's precision laid side by side
     along K, one bf16 GEMM with fp32 accumulation. A bf16 x times an fp32 w (the router) is three exact products;
     two fp32 operands keep the six largest of nine. The same row gives the same bits at every M, as `linear` with
-    `invariant`; full-fp32 products in the kernel would run on the FMA units, 30-60x slower at decode sizes."""
+    `invariant`; full-fp32 products in the kernel would run on the FMA units, far slower."""
     xs, ws = bf16_pieces(x_MK), bf16_pieces(w_KN)
     pairs = [(i, j) for i in range(len(xs)) for j in range(len(ws)) if i + j < max(len(xs), len(ws))]
     K = x_MK.shape[1] * len(pairs)

@@ -53,6 +53,10 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> float:
     raise TimeoutError(f"the server was not ready within {timeout:.0f} s")
 
 
+def _s(ms: float | None) -> float | None:
+    return ms / 1e3 if ms is not None else None
+
+
 def bare_at(bare: dict[int, float], rows: float) -> float:
     """The bare decode step at a (fractional) mean batch, linear between the measured batches."""
     xs = sorted(bare)
@@ -143,6 +147,9 @@ def main() -> None:
                "total_tok_s_per_gpu": m["total_token_throughput_per_gpu"],
                "ttft_median_s": m["median_ttft_ms"] / 1e3, "tpot_median_s": m["median_tpot_ms"] / 1e3,
                "itl_median_s": m["median_itl_ms"] / 1e3, "e2e_median_s": m["median_e2el_ms"] / 1e3,
+               "ttft_mean_s": m["mean_ttft_ms"] / 1e3, "server_ttft_mean_s": _s(m.get("server_ttft_mean_ms")),
+               "server_queue_mean_s": _s(m.get("server_queue_mean_ms")),
+               "server_prefill_mean_s": _s(m.get("server_prefill_mean_ms")),
                "ttft_p99_s": m["p99_ttft_ms"] / 1e3, "tpot_p99_s": m["p99_tpot_ms"] / 1e3,
                "engine_step_s": engine_s, "engine_decode_rows_mean": rows, "bare_step_s": bare_s,
                "bare_context": context, "engine_step_ratio": engine_s / bare_s if engine_s else None,

@@ -5,6 +5,7 @@
 # (m3-slice-1moe fits an 80 GB H100).
 #   startup   serve cold/warm start-up, the engine's decode step, per-shape compile (issue 22)
 #   step      the engine's decode step alone (engine / bare)
+#   cond      whether a lax.cond makes dispatch wait for the device, under XLA flag variants (command buffers)
 #   lincheck  the linear kernel's batch-invariant rows bitwise across M, split spread vs in-program, other tiles
 #   invcost   the bare decode step and a 1k prefill with and without --batch-invariant, kernel by kernel (issue 27)
 #   smoke     engine sizes that are not powers of two
@@ -37,6 +38,9 @@ for what in "$@"; do
     step)
       timeout "${STEP_TIMEOUT:-150}" python3 benchmarks/bench_engine_step.py --model "${MODEL:-m3-slice}" \
         --batches 32 128 --context 1024 --max-num-batched-tokens 256 --out "$OUT/engine-step-${GPU_NAME:-h200}.json"
+      ;;
+    cond)
+      timeout 240 python3 benchmarks/probe_cond_dispatch.py --out "$OUT/cond-dispatch-${GPU_NAME:-h200}.json"
       ;;
     lincheck)  # the linear kernel's invariant rows on the device, and larger tiles over the same K order
       timeout 330 python3 benchmarks/check_linear_invariance.py --model "${MODEL:-m3-slice}" --m 1 32 300 2048 \

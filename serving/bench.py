@@ -194,8 +194,8 @@ class Client:
 
 async def _run_level(client: Client, workload: Workload, warmup: Workload, concurrency: int) -> tuple[
         list[RequestResult], float, list[RequestResult], tuple | None, tuple | None]:
-    """(results, seconds, warm-up results, and the server's SPEC_COUNTERS + DECODE_COUNTERS before and after the
-    measured requests: None where it exports none)."""
+    """(results, seconds, warm-up results, and the server's SPEC_COUNTERS + DECODE_COUNTERS + PHASE_COUNTERS
+    before and after the measured requests: None where it exports none)."""
     import aiohttp
 
     timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
@@ -211,7 +211,7 @@ async def _run_level(client: Client, workload: Workload, warmup: Workload, concu
             return list(await asyncio.gather(*(one(i) for i in range(len(w.prompts)))))
 
         warm = await run(warmup)
-        names = SPEC_COUNTERS + DECODE_COUNTERS
+        names = SPEC_COUNTERS + DECODE_COUNTERS + PHASE_COUNTERS
         before = await asyncio.to_thread(server_counters, client.base_url, client.api_key, names)
         t0 = time.perf_counter()
         results = await run(workload)
@@ -224,6 +224,11 @@ SPEC_COUNTERS = ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_acce
 # Our server's decode-only steps (serving/core.py): count, summed periods in seconds, summed rows.
 DECODE_COUNTERS = ("m3jax_engine_decode_steps_total", "m3jax_engine_decode_step_seconds_total",
                    "m3jax_engine_decode_step_rows_total")
+
+# What the server's TTFT is made of (serving/metrics.py): sums and counts of the time to the first token, the
+# queue time (arrival to the first chunk's launch) and the prefill time (launch to the first token).
+PHASE_COUNTERS = tuple(f"vllm:{h}_{part}" for h in ("time_to_first_token_seconds", "request_queue_time_seconds",
+                                                      "request_prefill_time_seconds") for part in ("sum", "count"))
 
 
 def server_counters(base_url: str, api_key: str | None, names: tuple[str, ...]) -> tuple[float, ...] | None:
@@ -255,6 +260,16 @@ def decode_step(before: tuple[float, ...] | None, after: tuple[float, ...] | Non
         return None
     steps = after[0] - before[0]
     return (after[1] - before[1]) / steps, (after[2] - before[2]) / steps
+
+
+def phase_means(before: tuple[float, ...] | None, after: tuple[float, ...] | None) -> dict[str, float | None]:
+    """The server's mean TTFT, queue and prefill time in ms between two PHASE_COUNTERS readings (None where the
+    server does not report one)."""
+    out: dict[str, float | None] = {}
+    for i, key in enumerate(("server_ttft_mean_ms", "server_queue_mean_ms", "server_prefill_mean_ms")):
+        n = after[2 * i + 1] - before[2 * i + 1] if before and after else 0
+        out[key] = (after[2 * i] - before[2 * i]) / n * 1e3 if n > 0 else None
+    return out
 
 
 def acceptance_length(before: tuple[float, ...] | None, after: tuple[float, ...] | None) -> float | None:
@@ -390,7 +405,10 @@ def run(args: argparse.Namespace) -> int:
         spec = len(SPEC_COUNTERS)
         accept = acceptance_length(before and before[:spec], after and after[:spec])
         metrics["spec_acceptance_length"] = accept  # None: the server does not speculate
-        decode = decode_step(before and before[spec:], after and after[spec:])
+        phase = len(SPEC_COUNTERS) + len(DECODE_COUNTERS)
+        decode = decode_step(before and before[spec:phase], after and after[spec:phase])
+        # The engine's part of the TTFT the client saw (the rest is HTTP, the front end and the stream).
+        metrics.update(phase_means(before and before[phase:], after and after[phase:]))
         # The engine's own mean decode step over the level (None: a server that does not report it).
         metrics["engine_decode_step_ms"] = decode[0] * 1e3 if decode else None
         metrics["engine_decode_rows_mean"] = decode[1] if decode else None

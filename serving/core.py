@@ -417,6 +417,11 @@ class EngineCore:
             return None
         self.stats["steps"] += 1
         self.stats["step_tokens"] += scheduled.num_tokens
+        launched_at = time.monotonic()
+        for row in scheduled.rows:
+            client = self._clients.get(row.seq)
+            if client is not None and client.req.scheduled_time is None:
+                client.req.scheduled_time = launched_at
         now = time.perf_counter()
         self.last_step_seconds = now - t0
         self._count_decode_period(scheduled, now)
@@ -549,6 +554,8 @@ class EngineCore:
         delta_ids = ids[client.sent_tokens:]
         client.sent_tokens = len(ids)
         metrics: dict[str, float] = {"arrival": req.arrival}
+        if req.scheduled_time is not None:
+            metrics["scheduled"] = req.scheduled_time
         if req.first_token_time is not None:
             metrics["first_token"] = req.first_token_time
         if finished:

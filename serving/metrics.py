@@ -92,6 +92,10 @@ class ServerMetrics:
                              registry=r, buckets=_TOKEN_BUCKETS)
         self.e2e = Histogram("m3jax_e2e_request_latency_seconds", "Time from arrival to the last token",
                              registry=r, buckets=_E2E_BUCKETS)
+        self.queue = Histogram("m3jax_request_queue_time_seconds", "Time from the engine's arrival of a request to "
+                               "the launch of its first chunk", registry=r, buckets=_TTFT_BUCKETS)
+        self.prefill = Histogram("m3jax_request_prefill_time_seconds", "Time from the launch of a request's first "
+                                 "chunk to its first token", registry=r, buckets=_TTFT_BUCKETS)
         self.prompt_tokens = Counter("m3jax_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
         self.generation_tokens = Counter("m3jax_generation_tokens", "Generated tokens", registry=r)
         self.requests = Counter("m3jax_requests", "Requests admitted by a server, by API and how they ended "
@@ -114,6 +118,10 @@ class ServerMetrics:
                       for n in ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds")]
         self.v_e2e = Histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
                                name, registry=r, buckets=_E2E_BUCKETS).labels(model_name)
+        self.v_queue = Histogram("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for "
+                                 "request.", name, registry=r, buckets=_TTFT_BUCKETS).labels(model_name)
+        self.v_prefill = Histogram("vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase "
+                                   "for request.", name, registry=r, buckets=_TTFT_BUCKETS).labels(model_name)
         self.v_decode = Histogram("vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase "
                                   "for request.", name, registry=r, buckets=_E2E_BUCKETS).labels(model_name)
         token_buckets = _one_two_five(max_model_len)
@@ -133,9 +141,17 @@ class ServerMetrics:
             self.v_success.labels(reason, model_name)
 
     # ---- what the servers report ------------------------------------------------------------------------------
-    def first_token(self, ttft: float, prompt_tokens: int) -> None:
+    def first_token(self, ttft: float, prompt_tokens: int, *, queue: float | None = None,
+                    prefill: float | None = None) -> None:
+        """A request's first token, `ttft` seconds after the server received it; `queue` and `prefill` split the
+        engine's part of that wait (arrival to the first chunk's launch, launch to the first token)."""
         self.ttft.observe(ttft)
         self.v_ttft.observe(ttft)
+        if queue is not None and prefill is not None:
+            self.queue.observe(queue)
+            self.v_queue.observe(queue)
+            self.prefill.observe(prefill)
+            self.v_prefill.observe(prefill)
         self.prompt_tokens.inc(prompt_tokens)
         self.v_prompt_tokens.inc(prompt_tokens)
         self.prompt_tokens_count += prompt_tokens

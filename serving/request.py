@@ -61,6 +61,9 @@ class Request:
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     error: str | None = None
     num_preemptions: int = 0
+    # When its first chunk was launched (time.monotonic): queue time is arrival to here, prefill time here to the
+    # first token.
+    scheduled_time: float | None = None
     first_token_time: float | None = None
     # Unique per admission (client request ids may be reused once a request ends): what steps in flight and
     # their results are keyed by, so a late result never lands on a newer request of the same id.

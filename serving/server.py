@@ -367,7 +367,10 @@ class RequestStream:
         if n:
             if self._first is None:
                 self._first = now
-                m.first_token(now - self.arrival, self.num_prompt_tokens)
+                t = out.metrics
+                phases = ({"queue": t["scheduled"] - t["arrival"], "prefill": t["first_token"] - t["scheduled"]}
+                          if {"arrival", "scheduled", "first_token"} <= t.keys() else {})
+                m.first_token(now - self.arrival, self.num_prompt_tokens, **phases)
             m.tokens(n, now - self._last if self._last is not None else None)
             self._last = now
             self.num_tokens += n

@@ -513,7 +513,8 @@ def test_vllm_metric_names_parse_with_prometheus_client(server):
             "vllm:request_prompt_tokens": "histogram", "vllm:request_generation_tokens": "histogram",
             "vllm:prompt_tokens": "counter", "vllm:generation_tokens": "counter", "vllm:request_success": "counter",
             "vllm:prefix_cache_queries": "counter", "vllm:prefix_cache_hits": "counter",
-            "vllm:num_preemptions": "counter"}
+            "vllm:num_preemptions": "counter", "vllm:request_queue_time_seconds": "histogram",
+            "vllm:request_prefill_time_seconds": "histogram"}
     for name, kind in want.items():
         assert name in families and families[name].type == kind, name
         assert all(s.labels["model_name"] == server.model for s in families[name].samples), name
@@ -528,6 +529,14 @@ def test_vllm_metric_names_parse_with_prometheus_client(server):
     assert value("vllm:generation_tokens", "_total") == value("m3jax_generation_tokens", "_total") > 0
     assert value("vllm:time_to_first_token_seconds", "_count") == value("m3jax_time_to_first_token_seconds", "_count")
     assert value("vllm:request_success", "_total", finished_reason="length") > 0
+    # The engine's part of each TTFT, split at the first chunk's launch: queue + prefill, never more than the
+    # TTFT the server saw (which also holds the front end's work).
+    n = value("vllm:time_to_first_token_seconds", "_count")
+    assert value("vllm:request_queue_time_seconds", "_count") == value("vllm:request_prefill_time_seconds",
+                                                                       "_count") == n
+    engine = value("vllm:request_queue_time_seconds", "_sum") + value("vllm:request_prefill_time_seconds", "_sum")
+    assert 0 < engine <= value("vllm:time_to_first_token_seconds", "_sum")
+    assert value("m3jax_request_prefill_time_seconds", "_sum") == value("vllm:request_prefill_time_seconds", "_sum")
     assert {s.labels["finished_reason"] for s in families["vllm:request_success"].samples} >= {
         "stop", "length", "abort", "error"}
 

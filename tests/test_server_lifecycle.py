@@ -149,6 +149,9 @@ def test_bench_serve_writes_results_and_plot(server, tmp_path):
         assert m["interactivity"] == pytest.approx(1000 / m["median_tpot_ms"])
         # The engine's own decode step over the level, read from the server's counters around it.
         assert m["engine_decode_step_ms"] > 0 and 1 <= m["engine_decode_rows_mean"] <= c
+        # What the server's TTFT is made of: its queue and prefill parts sum to no more than the whole.
+        assert m["server_prefill_mean_ms"] > 0 and m["server_queue_mean_ms"] >= 0
+        assert m["server_queue_mean_ms"] + m["server_prefill_mean_ms"] <= m["server_ttft_mean_ms"] + 1e-6
     assert (out / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -82,6 +82,7 @@ class Recorder:
 
 # The attention implementation every dispatch call here takes ("pallas" on the GPU, "interpret" with --small).
 IMPL = "pallas"
+INVARIANT = False  # --batch-invariant: the ops with the tiles of batch-invariant serving
 
 def _us(x: float | None) -> str:
     return "-" if x is None else f"{x * 1e6:9.1f}us"
@@ -311,7 +312,7 @@ def bench_case(case: Case, s: Shapes, rec: Recorder, *, small: bool, interpret: 
 
     # --- MSA index + top-k (the op the model calls: dispatch -> kernel with the table's tiles) ---
     select = jax.jit(lambda iq, ik, pt, tr, pos: dispatch.paged_select_blocks(iq, ik, pt, tr, pos, **sel_kw,
-                                                                                 impl=IMPL))
+                                                                                 impl=IMPL, invariant=INVARIANT))
     select_ref = jax.jit(lambda iq, ik, pt, tr, pos: msa_ref.paged_select_blocks(iq, ik, pt, tr, pos, **sel_kw))
     sel_sets = [(st["iq"], case.ik_pages, *args(st, "page_table", "token_row", "pos")) for st in case.sets]
 
@@ -341,7 +342,7 @@ def bench_case(case: Case, s: Shapes, rec: Recorder, *, small: bool, interpret: 
     floor_s, floor_kind = _floor(idx_bytes, idx_flops)
     t, err = kernel_time(select, sel_sets, small)
     t_ref = try_time(select_ref, sel_sets[:2], small) if with_reference else None
-    tiles = tuning.index_tiles(T, R, P, s.K)
+    tiles = tuning.index_tiles(T, R, P, s.K, invariant=INVARIANT)
     rec.add(op="msa_index_topk", case=case.name, variant=f"table {_fmt(tiles)}", shape=shape, time_s=t,
             floor_s=floor_s, floor_kind=floor_kind, bytes=idx_bytes, flops=idx_flops, ratio=_ratio(t, floor_s),
             reference_time_s=t_ref, check=check, error=err, **_no_ref(with_reference),
@@ -368,7 +369,8 @@ def bench_case(case: Case, s: Shapes, rec: Recorder, *, small: bool, interpret: 
     # --- block-sparse attention over the selected pages ---
     blocks_sets = [(select if select_ok else select_ref)(*a) for a in sel_sets]
     sp = jax.jit(lambda q, k, v, pt, tr, pos, b: dispatch.paged_block_sparse_attention(q, k, v, pt, tr, pos, b,
-                                                                                        scale=scale, impl=IMPL))
+                                                                                        scale=scale, impl=IMPL,
+                                                                                        invariant=INVARIANT))
     sp_ref = jax.jit(lambda q, k, v, pt, tr, pos, b: msa_ref.paged_block_sparse_attention(q, k, v, pt, tr, pos, b,
                                                                                            scale=scale))
     sp_sets = [(st["q"], case.k_pages, case.v_pages, *args(st, "page_table", "token_row", "pos"), b)
@@ -387,7 +389,7 @@ def bench_case(case: Case, s: Shapes, rec: Recorder, *, small: bool, interpret: 
         floor_s, floor_kind = _floor(case.context * s.K * s.D * 2 * itemsize, sp_flops)
     t, err = kernel_time(sp, sp_sets, small)
     t_ref = try_time(sp_ref, sp_sets[:2], small) if with_reference else None
-    stiles = tuning.sparse_tiles(T, R, s.topk, s.hg)
+    stiles = tuning.sparse_tiles(T, R, s.topk, s.hg, invariant=INVARIANT)
     rec.add(op="msa_sparse_attention", case=case.name, variant=f"table {_fmt(stiles)}", shape=shape, time_s=t,
             floor_s=floor_s, floor_kind=floor_kind, bytes=sp_bytes, flops=sp_flops, ratio=_ratio(t, floor_s),
             reference_time_s=t_ref, check=check, error=err, **_no_ref(with_reference),
@@ -396,7 +398,7 @@ def bench_case(case: Case, s: Shapes, rec: Recorder, *, small: bool, interpret: 
 
     # --- dense ragged paged attention (the 3 dense layers) ---
     dn = jax.jit(lambda q, k, v, pt, tr, pos: dispatch.paged_dense_attention(q, k, v, pt, tr, pos, scale,
-                                                                           impl=IMPL))
+                                                                           impl=IMPL, invariant=INVARIANT))
     dn_ref = jax.jit(lambda q, k, v, pt, tr, pos: attn_ref.paged_dense_attention(q, k, v, pt, tr, pos, scale))
     dn_sets = [x[:6] for x in sp_sets]
     check = {}
@@ -409,7 +411,7 @@ def bench_case(case: Case, s: Shapes, rec: Recorder, *, small: bool, interpret: 
     floor_s, floor_kind = _floor(dn_bytes, dn_flops)
     t, err = kernel_time(dn, dn_sets, small)
     t_ref = try_time(dn_ref, dn_sets[:2], small) if with_reference else None
-    dtiles = tuning.dense_tiles(T, R, P, s.K, s.hg)
+    dtiles = tuning.dense_tiles(T, R, P, s.K, s.hg, invariant=INVARIANT)
     rec.add(op="dense_attention", case=case.name, variant=f"table {_fmt(dtiles)}", shape=shape, time_s=t,
             floor_s=floor_s, floor_kind=floor_kind, bytes=dn_bytes, flops=dn_flops, ratio=_ratio(t, floor_s),
             reference_time_s=t_ref, check=check, error=err, **_no_ref(with_reference),
@@ -725,6 +727,8 @@ def main() -> None:
                          "prefill: the 8k chunk's tile variants")
     ap.add_argument("--budget-s", type=float, default=200.0, help="skip tile variants after this many seconds")
     ap.add_argument("--warm-up-s", type=float, default=5.0, help="seconds of matmuls before the first timing")
+    ap.add_argument("--batch-invariant", action="store_true",
+                    help="the tiles of --batch-invariant serving (KernelChoice.batch_invariant) instead of the table's")
     ap.add_argument("--render", metavar="JSON", help="print the markdown table of a results file and exit")
     a = ap.parse_args()
     global VARIANTS
@@ -736,13 +740,14 @@ def main() -> None:
     start = time.perf_counter()
     deadline = start + a.budget_s
     interpret = a.small
-    global IMPL
+    global IMPL, INVARIANT
+    INVARIANT = a.batch_invariant
     IMPL = "interpret" if a.small else "pallas"
     s = SMALL if a.small else M3
     dtype = jnp.bfloat16
     dev = jax.devices()[0]
     meta = dict(device=getattr(dev, "device_kind", str(dev)), backend=jax.default_backend(), jax=jax.__version__,
-                git_rev=a.git_rev, impl=IMPL)
+                git_rev=a.git_rev, impl=IMPL, batch_invariant=INVARIANT)
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     rec = Recorder(a.out, meta)
     print(f"device={meta['device']} jax={jax.__version__} impl={meta['impl']}", flush=True)

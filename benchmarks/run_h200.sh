@@ -6,6 +6,8 @@
 #   startup   serve cold/warm start-up, the engine's decode step, per-shape compile (issue 22)
 #   step      the engine's decode step alone (engine / bare)
 #   cond      whether a lax.cond makes dispatch wait for the device, under XLA flag variants (command buffers)
+#   attninv   the attention kernels with the batch-invariant tiles (mask_every_page index scoring, per-token
+#             sparse prefill, dense single-tile) against their jnp references, 8k decode and prefill
 #   lincheck  the linear kernel's batch-invariant rows bitwise across M, split spread vs in-program, other tiles
 #   invcost   the bare decode step and a 1k prefill with and without --batch-invariant, kernel by kernel (issue 27)
 #   smoke     engine sizes that are not powers of two
@@ -41,6 +43,10 @@ for what in "$@"; do
       ;;
     cond)
       timeout 240 python3 benchmarks/probe_cond_dispatch.py --out "$OUT/cond-dispatch-${GPU_NAME:-h200}.json"
+      ;;
+    attninv)
+      timeout 240 python3 benchmarks/bench_attention.py --batch-invariant --contexts 8192 --variants none \
+        --warm-up-s 2 --out "$OUT/attention-invariant-${GPU_NAME:-h200}.json"
       ;;
     lincheck)  # the linear kernel's invariant rows on the device, and larger tiles over the same K order
       timeout 330 python3 benchmarks/check_linear_invariance.py --model "${MODEL:-m3-slice}" --m 1 32 300 2048 \

@@ -9,8 +9,9 @@ Two calls rather than one so that a grammar's token mask, which needs the previo
 is computed while the device runs the forward: `launch` dispatches the forward and, unless told to wait for
 constraints, the sampling; `sample` dispatches a deferred sampling; `collect` waits for the tokens.
 
-Shapes: one forward executable per token bucket and two sampling executables per row count (the general one, and
-a branch-free one for steps whose rows are all plainly greedy). The token count of a
+Shapes: one forward executable per token bucket and four sampling executables per row count (the general one, and
+three without a conditional for steps with no penalty, bias or grammar: all greedy, drawing, filtering; chosen on
+the host by `sampling.variant`). The token count of a
 step is padded to the next bucket (powers of two from 8 up to `max_num_batched_tokens`) and its rows to
 min(bucket, max_num_seqs), the most rows that many tokens can hold, so the row count never multiplies the
 executables. The page table is always `max_model_len / page_size` wide (attention shapes never depend on the
@@ -20,7 +21,7 @@ request asks for makes a new shape: after `warmup` the engine never compiles.
 Async hand-off: a token the previous step samples is a placeholder in the next step's rows; the forward reads it
 from that step's device output (`prev_tokens`), so step N+1 is dispatched before step N's tokens reach the host.
 That overlap needs dispatch itself not to wait for the device, and on the GPU a `lax.cond` does (XLA reads its
-predicate back on the host): the decode forward and the greedy sampling hold none (tests/test_step_lowering.py).
+predicate back on the host): the decode forward and the plain samplings hold none (tests/test_step_lowering.py).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from serving.executables import ExecutableCache, xla_cache_hits
 from serving.outputs import MAX_LOGPROBS
 from serving.request import PLACEHOLDER
 from serving.sampling import (
+    PLAIN_VARIANTS,
     HistoryRows,
     PenaltyHistory,
     PromptLogprobs,
@@ -54,11 +56,11 @@ from serving.sampling import (
     SamplingTensors,
     TokenConstraints,
     greedy,
-    plain_greedy,
     prompt_logprobs,
     record_history,
     sample,
     uses_penalty,
+    variant,
 )
 from serving.scheduler import ModelRunnerOutput, SchedulerOutput
 from serving.speculative import SpecOutput, spec_step
@@ -162,8 +164,15 @@ def _sample(logits: jax.Array, history: PenaltyHistory, sampling: SamplingTensor
 
 
 def _sample_greedy(logits: jax.Array, *, max_logprobs: int, num_prev: int) -> tuple[jax.Array, SampleOutput]:
-    """The "sample_greedy" executable: a step whose rows are all plainly greedy (`sampling.plain_greedy`)."""
+    """The "sample_greedy" executable: a step whose rows are all plainly greedy (`sampling.variant`)."""
     return _with_next_prev(greedy(logits, max_logprobs), num_prev)
+
+
+def _sample_plain(logits: jax.Array, sampling: SamplingTensors, *, filtered: bool, max_logprobs: int,
+                  num_prev: int) -> tuple[jax.Array, SampleOutput]:
+    """The "sample_draw" / "sample_filter" executables: a step with sampled rows and no penalty, bias or grammar
+    (`sampling.variant`); `sample` with its choices made on the host, so it holds no conditional."""
+    return _with_next_prev(sample(logits, sampling, max_logprobs, filtered=filtered, drawn=True), num_prev)
 
 
 def _with_next_prev(sampled: SampleOutput, num_prev: int) -> tuple[jax.Array, SampleOutput]:
@@ -191,6 +200,9 @@ class ModelRunner:
             "sample": jax.jit(functools.partial(_sample, max_logprobs=MAX_LOGPROBS, num_prev=max_num_seqs)),
             "sample_greedy": jax.jit(functools.partial(_sample_greedy, max_logprobs=MAX_LOGPROBS,
                                                        num_prev=max_num_seqs)),
+            **{f"sample_{how}": jax.jit(functools.partial(_sample_plain, filtered=how == "filter",
+                                                          max_logprobs=MAX_LOGPROBS, num_prev=max_num_seqs))
+               for how in ("draw", "filter")},
         }
         # Prompt logprobs: a second forward per token bucket (every token's logprobs), used only by steps that
         # hold such a request, so that the others pay nothing.
@@ -254,6 +266,9 @@ class ModelRunner:
             device = (self.model.params, self.kv, self.history, self.prev_tokens)
         elif what == "sample_greedy":
             host, device = (), (jax.ShapeDtypeStruct((size, V), jnp.float32, sharding=replicated),)
+        elif what in ("sample_draw", "sample_filter"):
+            host = (SamplingTensors.build([], [], size, num_slots=self.max_num_seqs),)
+            device = (jax.ShapeDtypeStruct((size, V), jnp.float32, sharding=replicated),)
         else:
             host = (SamplingTensors.build([], [], size, num_slots=self.max_num_seqs),
                     TokenConstraints.empty(size, V))
@@ -315,14 +330,14 @@ class ModelRunner:
             on_done(entry)
 
     def shapes(self) -> list[tuple[str, int]]:
-        """Every executable serving can need: a forward per token bucket, two samplings per row count (the
-        general one and the plainly greedy one)."""
+        """Every executable serving can need: a forward per token bucket, and per row count the general sampling
+        and the three plain ones (`sampling.PLAIN_VARIANTS`)."""
         if self.draft is not None:
             return [("spec", t) for t in self.token_buckets]
         rows = sorted({self.rows_for(t) for t in self.token_buckets})
         plp = [("forward_plp", t) for t in self.token_buckets] if self.enable_prompt_logprobs else []
         return ([("forward", t) for t in self.token_buckets] + plp + [("sample", r) for r in rows]
-                + [("sample_greedy", r) for r in rows])
+                + [(v, r) for v in PLAIN_VARIANTS for r in rows])
 
     @property
     def num_executables(self) -> int:
@@ -428,8 +443,12 @@ class ModelRunner:
         """Dispatch a launched step's sampling (None: no biases, no grammar)."""
         rows = step.num_rows
         try:
-            if constraints is None and not step.want_logprobs and plain_greedy(step.sampling, self.max_num_seqs):
-                self.prev_tokens, step.out = self.executable("sample_greedy", rows)(step.logits)
+            how = variant(step.sampling, self.max_num_seqs, self.cfg.vocab_size, constrained=constraints is not None,
+                          want_logprobs=step.want_logprobs)
+            if how == "sample_greedy":
+                self.prev_tokens, step.out = self.executable(how, rows)(step.logits)
+            elif how != "sample":
+                self.prev_tokens, step.out = self.executable(how, rows)(step.logits, step.sampling)
             else:
                 if constraints is None:
                     constraints = self._empty_constraints(rows)

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import jax
@@ -405,10 +405,13 @@ def verify(scaled: jax.Array, keep: jax.Array, is_greedy: jax.Array, greedy_toke
 
 
 def sample(logits: jax.Array, t: SamplingTensors, max_logprobs: int, history: PenaltyHistory | None = None,
-           constraints: TokenConstraints | None = None, drafts: jax.Array | None = None) -> SampleOutput:
+           constraints: TokenConstraints | None = None, drafts: jax.Array | None = None, *,
+           filtered: bool | None = None, drawn: bool | None = None) -> SampleOutput:
     """Sample one token per row of `logits[L, V]`; `max_logprobs` (static) is the width of the top lists;
     `history` the penalty tables (None: no row may use a penalty); `constraints` logit biases and grammar masks;
-    `drafts` i32[L] (speculative decoding): the draft token that follows each row (-1: none), to `verify`."""
+    `drafts` i32[L] (speculative decoding): the draft token that follows each row (-1: none), to `verify`.
+    `filtered` / `drawn` (static): whether any row needs the top-k/top-p/min-p filter / a random draw, when the
+    host has decided it (`variant`); None decides it on the device, under a conditional."""
     logits = logits.astype(jnp.float32)
     L, V = logits.shape
     raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
@@ -420,23 +423,25 @@ def sample(logits: jax.Array, t: SamplingTensors, max_logprobs: int, history: Pe
     is_greedy = t.temperature <= GREEDY_EPS
     scaled = penalised / jnp.where(is_greedy, 1.0, t.temperature)[:, None]
 
-    # The sort and the noise are the expensive parts; lax.cond skips them for batches that do not need them.
-    # A row's result is the same on either branch (a row with filters off gets an all-true mask from
-    # filter_mask too), so skipping does not make a row depend on its neighbours.
+    # The sort and the noise are the expensive parts, skipped for batches that do not need them: by the host
+    # (`filtered`, `drawn`: no conditional, so dispatch never waits for the device) or else by lax.cond. A
+    # row's result is the same either way (a row with filters off gets an all-true mask from filter_mask too),
+    # so skipping does not make a row depend on its neighbours.
+    def skip(static: bool | None, pred: jax.Array, yes: Callable, no: Callable, *args: jax.Array) -> jax.Array:
+        if static is None:
+            return jax.lax.cond(pred, yes, no, *args)
+        return yes(*args) if static else no(*args)
+
     needs_filter = ~is_greedy & (((t.top_k > 0) & (t.top_k < V)) | (t.top_p < 1.0) | (t.min_p > 0.0))
-    keep = jax.lax.cond(
-        jnp.any(needs_filter),
-        lambda s: filter_mask(s, t),
-        lambda s: jnp.ones(s.shape, bool),
-        scaled,
-    )
+    keep = skip(filtered, jnp.any(needs_filter), lambda s: filter_mask(s, t), lambda s: jnp.ones(s.shape, bool),
+                scaled)
 
     def draw(s: jax.Array, m: jax.Array) -> jax.Array:
         # Gumbel-max: argmax(logits + Gumbel) is a draw from softmax(logits) restricted to the kept tokens.
         perturbed = jnp.where(m, s + row_noise(t, V), -jnp.inf)
         return jnp.argmax(perturbed, axis=-1).astype(jnp.int32)
 
-    sampled = jax.lax.cond(jnp.any(~is_greedy), draw, lambda s, m: greedy_tokens, scaled, keep)
+    sampled = skip(drawn, jnp.any(~is_greedy), draw, lambda s, m: greedy_tokens, scaled, keep)
     tokens = jnp.where(is_greedy, greedy_tokens, sampled)
     accept = residual = None
     if drafts is not None:
@@ -448,7 +453,7 @@ def sample(logits: jax.Array, t: SamplingTensors, max_logprobs: int, history: Pe
 
 def greedy(logits: jax.Array, max_logprobs: int) -> SampleOutput:
     """`sample` for a step whose every row is greedy and asks for nothing else (no penalty, bias, grammar or
-    logprobs: `plain_greedy`): the same tokens, the argmax of the fp32 logits, which `sample` leaves unchanged
+    logprobs: `variant`): the same tokens, the argmax of the fp32 logits, which `sample` leaves unchanged
     for such rows. None of `sample`'s conditionals: on the GPU a conditional's predicate is read back on the host,
     so dispatching `sample` waits for the forward before it, and the host cannot prepare the next step
     meanwhile. The logprob fields are zeros (no row asked for them)."""
@@ -458,10 +463,24 @@ def greedy(logits: jax.Array, max_logprobs: int) -> SampleOutput:
                         jnp.zeros((L, max_logprobs), jnp.float32))
 
 
-def plain_greedy(t: SamplingTensors, num_slots: int) -> bool:
-    """Host side: whether every row of host `SamplingTensors` is greedy without penalties (padding rows are),
-    so that `greedy` gives the tokens `sample` would (biases, grammars and logprobs are the caller's to rule out)."""
-    return bool(np.all(np.asarray(t.temperature) <= GREEDY_EPS) and np.all(np.asarray(t.slot) >= num_slots))
+# The sampling executables of a plain step (no penalty, bias or grammar), by what its rows need; each gives the
+# tokens `sample` gives, without its conditionals. Anything else takes the general "sample".
+PLAIN_VARIANTS = ("sample_greedy", "sample_draw", "sample_filter")
+
+
+def variant(t: SamplingTensors, num_slots: int, vocab_size: int, *, constrained: bool, want_logprobs: bool) -> str:
+    """Host side: the sampling executable for a step with host `SamplingTensors` `t` (padding rows are greedy
+    and penalty-free): "sample_greedy" (every row greedy, no logprobs asked), "sample_draw" (some row draws or
+    asks for logprobs, none filters), "sample_filter" (some row filters), or "sample" when a row has a penalty
+    or the step has biases or grammar masks."""
+    if constrained or not np.all(np.asarray(t.slot) >= num_slots):
+        return "sample"
+    sampled = np.asarray(t.temperature) > GREEDY_EPS
+    if not sampled.any():
+        return "sample_draw" if want_logprobs else "sample_greedy"
+    top_k = np.asarray(t.top_k)
+    filters = ((top_k > 0) & (top_k < vocab_size)) | (np.asarray(t.top_p) < 1.0) | (np.asarray(t.min_p) > 0.0)
+    return "sample_filter" if (sampled & filters).any() else "sample_draw"
 
 
 def logprobs_of(raw_logprobs: jax.Array, tokens: jax.Array, max_logprobs: int

@@ -19,11 +19,11 @@ from serving.sampling import (
     SamplingTensors,
     apply_penalties,
     greedy,
-    plain_greedy,
     prompt_logprobs,
     record_history,
     sample,
     validate_sampling,
+    variant,
 )
 
 V = 16
@@ -88,19 +88,39 @@ def test_greedy_is_argmax_and_logprobs_are_raw_log_softmax() -> None:
     np.testing.assert_allclose(out.top_logprobs, np.sort(ref, -1)[:, ::-1][:, :K_LOGPROBS], atol=1e-5)
 
 
-def test_plain_greedy_steps_take_the_branch_free_sampler() -> None:
-    """The "sample_greedy" executable (`greedy`) gives the tokens `sample` gives when the host finds every row
-    plainly greedy (`plain_greedy`); a sampled or penalised row sends the step to `sample`."""
+def test_plain_steps_take_branch_free_samplers_with_the_same_results() -> None:
+    """The host picks a sampling executable by what the step's rows need (`variant`); each plain one ("greedy",
+    "draw", "filter": no conditional, so dispatch never waits for the device) gives what `sample` gives."""
     logits = random_logits(64, seed=4, scale=3.0)
     logits[5, [2, 11]] = logits[5].max() + 1.0  # a tie
-    t = SamplingTensors.build([P()] * 60, [0] * 60, 64, num_slots=8)
-    assert plain_greedy(t, 8)
+    greedy_rows = SamplingTensors.build([P()] * 60, [0] * 60, 64, num_slots=8)
+    assert variant(greedy_rows, 8, V, constrained=False, want_logprobs=False) == "sample_greedy"
     out = jax.tree.map(np.asarray, jax.jit(greedy, static_argnums=1)(jnp.asarray(logits), K_LOGPROBS))
-    np.testing.assert_array_equal(out.tokens, run(logits, t).tokens)
+    np.testing.assert_array_equal(out.tokens, run(logits, greedy_rows).tokens)
     assert out.top_ids.shape == (64, K_LOGPROBS)
-    assert not plain_greedy(SamplingTensors.build([P(), P(temperature=0.7)], [0, 0], 4, num_slots=8), 8)
+
+    plain = jax.jit(sample, static_argnames=("max_logprobs", "filtered", "drawn"))
+    temperature_only = [P(), P(temperature=0.7, seed=3), P(temperature=1.3, seed=None)] * 20
+    filtering = temperature_only[:30] + [P(temperature=0.9, top_k=4, seed=5), P(temperature=1.0, top_p=0.6),
+                                         P(temperature=1.0, min_p=0.2, seed=9)] * 10
+    for params, how in ((temperature_only, "sample_draw"), (filtering, "sample_filter")):
+        t = SamplingTensors.build(params, list(range(len(params))), 64, num_slots=8,
+                                  rng=np.random.default_rng(0))
+        assert variant(t, 8, V, constrained=False, want_logprobs=False) == how
+        got = plain(jnp.asarray(logits), t, K_LOGPROBS, filtered=how == "sample_filter", drawn=True)
+        want = run(logits, t)
+        for a, b in zip(jax.tree.leaves(jax.tree.map(np.asarray, got)), jax.tree.leaves(want), strict=True):
+            np.testing.assert_array_equal(a, b)
+
+    # Greedy with logprobs asked draws nothing but needs them: "draw"; a penalty, a bias or a grammar: the
+    # general sampling.
+    assert variant(greedy_rows, 8, V, constrained=False, want_logprobs=True) == "sample_draw"
+    assert variant(greedy_rows, 8, V, constrained=True, want_logprobs=False) == "sample"
     penalised = SamplingTensors.build([P(), P(frequency_penalty=0.5)], [0, 0], 4, slots=[0, 1], num_slots=8)
-    assert not plain_greedy(penalised, 8)
+    assert variant(penalised, 8, V, constrained=False, want_logprobs=False) == "sample"
+    # top_k >= V is off: no filter.
+    off = SamplingTensors.build([P(temperature=1.0, top_k=V)], [0], 4, num_slots=8)
+    assert variant(off, 8, V, constrained=False, want_logprobs=False) == "sample_draw"
 
 
 def test_prompt_logprobs_are_the_lm_heads_raw_log_softmax_in_padded_chunks() -> None:

@@ -27,13 +27,13 @@ def test_step_lowers_at_odd_sizes(model, max_model_len, max_num_seqs, max_num_ba
                          max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len)
     rows = runner.rows_for(runner.token_buckets[-1])
     for what, size in [("forward", runner.token_buckets[0]), ("forward", runner.token_buckets[-1]),
-                       ("sample", rows), ("sample_greedy", rows)]:
+                       ("sample", rows), ("sample_greedy", rows), ("sample_draw", rows), ("sample_filter", rows)]:
         args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), runner._abstract_args(what, size))
         text = lower_for_gpu(runner._fns[what], *args)
         if what == "forward":  # dense and block-sparse attention, index + top-k, both MoE GEMMs (and KV writes
             assert count_triton_kernels(text) >= 5, (what, size)  # from 1024 rows on)
-        if (what, size) in (("forward", runner.token_buckets[0]), ("sample_greedy", rows)):
-            # A decode step and greedy sampling hold no conditional: the GPU runtime reads a conditional's
+        if (what, size) == ("forward", runner.token_buckets[0]) or what != "sample" and what.startswith("sample"):
+            # A decode step and the plain samplings hold no conditional: the GPU runtime reads a conditional's
             # predicate back on the host, so dispatching it would wait for the work queued before it.
             assert "stablehlo.case" not in text and "stablehlo.if" not in text, (what, size)
 

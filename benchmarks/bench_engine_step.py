@@ -35,8 +35,9 @@ def measure(core: Any, batch: int, context: int, steps: int) -> dict[str, Any]:
 
     cfg = core.model.cfg
     rng = np.random.default_rng(batch)
-    # Long enough that no request finishes while the last ones are still prefilling (one token a step each).
-    prefill_steps = -(-batch * context // core.runner.token_buckets[-1])
+    # Long enough that no request finishes while the last ones are still prefilling (one token a step each): the
+    # requests already decoding take one token of each step's budget, the prompts get the rest.
+    prefill_steps = -(-batch * context // max(1, core.runner.token_buckets[-1] - batch))
     params = SamplingParams(temperature=0.0, max_tokens=prefill_steps + steps * 3 + 8, ignore_eos=True)
     for _ in range(batch):
         req, _ = core.prepare(rng.integers(0, cfg.vocab_size, context).tolist(), params)

@@ -226,7 +226,7 @@ DECODE_COUNTERS = ("m3jax_engine_decode_steps_total", "m3jax_engine_decode_step_
                    "m3jax_engine_decode_step_rows_total")
 
 # What the server's TTFT is made of (serving/metrics.py): sums and counts of the time to the first token, the
-# queue time (arrival to the first chunk's launch) and the prefill time (launch to the first token).
+# queue time (arrival to the first chunk's scheduling) and the prefill time (from there to the first token).
 PHASE_COUNTERS = tuple(f"vllm:{h}_{part}" for h in ("time_to_first_token_seconds", "request_queue_time_seconds",
                                                       "request_prefill_time_seconds") for part in ("sum", "count"))
 

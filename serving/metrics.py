@@ -93,9 +93,9 @@ class ServerMetrics:
         self.e2e = Histogram("m3jax_e2e_request_latency_seconds", "Time from arrival to the last token",
                              registry=r, buckets=_E2E_BUCKETS)
         self.queue = Histogram("m3jax_request_queue_time_seconds", "Time from the engine's arrival of a request to "
-                               "the launch of its first chunk", registry=r, buckets=_TTFT_BUCKETS)
-        self.prefill = Histogram("m3jax_request_prefill_time_seconds", "Time from the launch of a request's first "
-                                 "chunk to its first token", registry=r, buckets=_TTFT_BUCKETS)
+                               "the scheduling of its first chunk", registry=r, buckets=_TTFT_BUCKETS)
+        self.prefill = Histogram("m3jax_request_prefill_time_seconds", "Time from the scheduling of a request's "
+                                 "first chunk to its first token", registry=r, buckets=_TTFT_BUCKETS)
         self.prompt_tokens = Counter("m3jax_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
         self.generation_tokens = Counter("m3jax_generation_tokens", "Generated tokens", registry=r)
         self.requests = Counter("m3jax_requests", "Requests admitted by a server, by API and how they ended "
@@ -144,7 +144,7 @@ class ServerMetrics:
     def first_token(self, ttft: float, prompt_tokens: int, *, queue: float | None = None,
                     prefill: float | None = None) -> None:
         """A request's first token, `ttft` seconds after the server received it; `queue` and `prefill` split the
-        engine's part of that wait (arrival to the first chunk's launch, launch to the first token)."""
+        engine's part of that wait (arrival to the first chunk's scheduling, then to the first token)."""
         self.ttft.observe(ttft)
         self.v_ttft.observe(ttft)
         if queue is not None and prefill is not None:

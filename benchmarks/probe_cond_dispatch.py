@@ -52,22 +52,41 @@ def child(work_ms: float, reps: int) -> dict[str, Any]:
     def work(a: jax.Array) -> jax.Array:
         return lax.fori_loop(0, chain, lambda i, b: (b @ x).astype(jnp.bfloat16), a)
 
+    # Branches with real work (two matmuls each, different ones), so that XLA keeps a conditional rather than
+    # turning it into a select, as it may for elementwise branches.
+    def yes(v: jax.Array) -> jax.Array:
+        return ((v @ x).astype(jnp.bfloat16) @ x).astype(jnp.bfloat16)
+
+    def no(v: jax.Array) -> jax.Array:
+        return ((v @ x.T).astype(jnp.bfloat16) @ x.T).astype(jnp.bfloat16)
+
     def with_cond(a: jax.Array) -> jax.Array:
         b = work(a)
-        return lax.cond(jnp.sum(b.astype(jnp.float32)) > 0, lambda v: v * 2, lambda v: v - 1, b)
+        return lax.cond(jnp.sum(b.astype(jnp.float32)) > 0, yes, no, b)
 
-    def branch_free(a: jax.Array) -> jax.Array:
+    def branch_free(a: jax.Array) -> jax.Array:  # the same result without a conditional: both branches computed
         b = work(a)
-        return jnp.where(jnp.sum(b.astype(jnp.float32)) > 0, b * 2, b - 1)
+        return jnp.where(jnp.sum(b.astype(jnp.float32)) > 0, yes(b), no(b))
 
     def cond_in_scan(a: jax.Array) -> jax.Array:  # the MSA layer's shape of it: a conditional per scanned layer
         def body(b: jax.Array, _: None) -> tuple[jax.Array, None]:
             b = lax.fori_loop(0, max(1, chain // 4), lambda i, c: (c @ x).astype(jnp.bfloat16), b)
-            return lax.cond(jnp.sum(b.astype(jnp.float32)) > 0, lambda v: v * 2, lambda v: v - 1, b), None
+            return lax.cond(jnp.sum(b.astype(jnp.float32)) > 0, yes, no, b), None
         return lax.scan(body, a, None, length=4)[0]
 
+    def unrolled_cond(a: jax.Array) -> jax.Array:  # no loop at all: the work as straight-line matmuls, then a cond
+        for _ in range(min(chain, 64)):
+            a = (a @ x).astype(jnp.bfloat16)
+        return lax.cond(jnp.sum(a.astype(jnp.float32)) > 0, yes, no, a)
+
+    def unrolled_free(a: jax.Array) -> jax.Array:
+        for _ in range(min(chain, 64)):
+            a = (a @ x).astype(jnp.bfloat16)
+        return jnp.where(jnp.sum(a.astype(jnp.float32)) > 0, yes(a), no(a))
+
     out: dict[str, Any] = {"chain": chain, "matmul_ms": per * 1e3, "device": str(jax.devices()[0])}
-    for name, fn in (("branch_free", branch_free), ("cond", with_cond), ("cond_in_scan", cond_in_scan)):
+    for name, fn in (("branch_free", branch_free), ("cond", with_cond), ("cond_in_scan", cond_in_scan),
+                     ("unrolled_free", unrolled_free), ("unrolled_cond", unrolled_cond)):
         f = jax.jit(fn)
         f(x).block_until_ready()
         dispatch, total = [], []
@@ -88,7 +107,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work-ms", type=float, default=20.0)
     ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--variants", nargs="*", default=list(VARIANTS))
+    ap.add_argument("--variants", nargs="*", default=["default", "cmdbuf+conditional,min1"])
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()

@@ -194,8 +194,8 @@ class Client:
 
 async def _run_level(client: Client, workload: Workload, warmup: Workload, concurrency: int) -> tuple[
         list[RequestResult], float, list[RequestResult], tuple | None, tuple | None]:
-    """(results, seconds, warm-up results, and the server's SPEC_COUNTERS + DECODE_COUNTERS + PHASE_COUNTERS
-    before and after the measured requests: None where it exports none)."""
+    """(results, seconds, warm-up results, and the server's SPEC_COUNTERS + DECODE_COUNTERS + PHASE_COUNTERS +
+    STEP_COUNTERS before and after the measured requests: None where it exports none)."""
     import aiohttp
 
     timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
@@ -211,7 +211,7 @@ async def _run_level(client: Client, workload: Workload, warmup: Workload, concu
             return list(await asyncio.gather(*(one(i) for i in range(len(w.prompts)))))
 
         warm = await run(warmup)
-        names = SPEC_COUNTERS + DECODE_COUNTERS + PHASE_COUNTERS
+        names = SPEC_COUNTERS + DECODE_COUNTERS + PHASE_COUNTERS + STEP_COUNTERS
         before = await asyncio.to_thread(server_counters, client.base_url, client.api_key, names)
         t0 = time.perf_counter()
         results = await run(workload)
@@ -229,6 +229,11 @@ DECODE_COUNTERS = ("m3jax_engine_decode_steps_total", "m3jax_engine_decode_step_
 # queue time (arrival to the first chunk's scheduling) and the prefill time (from there to the first token).
 PHASE_COUNTERS = tuple(f"vllm:{h}_{part}" for h in ("time_to_first_token_seconds", "request_queue_time_seconds",
                                                       "request_prefill_time_seconds") for part in ("sum", "count"))
+
+# All of the engine's steps (prefills and mixed ones too): count, the engine thread's time blocked on the device,
+# tokens. Little wait per step means the host, not the device, sets the pace.
+STEP_COUNTERS = ("m3jax_engine_steps_total", "m3jax_engine_device_wait_seconds_total",
+                 "m3jax_engine_step_tokens_total")
 
 
 def server_counters(base_url: str, api_key: str | None, names: tuple[str, ...]) -> tuple[float, ...] | None:
@@ -270,6 +275,19 @@ def phase_means(before: tuple[float, ...] | None, after: tuple[float, ...] | Non
         n = after[2 * i + 1] - before[2 * i + 1] if before and after else 0
         out[key] = (after[2 * i] - before[2 * i]) / n * 1e3 if n > 0 else None
     return out
+
+
+def step_means(before: tuple[float, ...] | None, after: tuple[float, ...] | None,
+               duration: float) -> dict[str, float | None]:
+    """Between two STEP_COUNTERS readings `duration` seconds apart: the engine's steps, their mean period, the
+    engine thread's mean wait for the device per step, and tokens per step (None without the counters)."""
+    steps = after[0] - before[0] if before and after else 0
+    if steps <= 0:
+        return dict.fromkeys(("engine_steps", "engine_step_period_ms", "engine_device_wait_ms_per_step",
+                              "engine_tokens_per_step"))
+    return {"engine_steps": steps, "engine_step_period_ms": duration / steps * 1e3,
+            "engine_device_wait_ms_per_step": (after[1] - before[1]) / steps * 1e3,
+            "engine_tokens_per_step": (after[2] - before[2]) / steps}
 
 
 def acceptance_length(before: tuple[float, ...] | None, after: tuple[float, ...] | None) -> float | None:
@@ -408,7 +426,9 @@ def run(args: argparse.Namespace) -> int:
         phase = len(SPEC_COUNTERS) + len(DECODE_COUNTERS)
         decode = decode_step(before and before[spec:phase], after and after[spec:phase])
         # The engine's part of the TTFT the client saw (the rest is HTTP, the front end and the stream).
-        metrics.update(phase_means(before and before[phase:], after and after[phase:]))
+        step = phase + len(PHASE_COUNTERS)
+        metrics.update(phase_means(before and before[phase:step], after and after[phase:step]))
+        metrics.update(step_means(before and before[step:], after and after[step:], duration))
         # The engine's own mean decode step over the level (None: a server that does not report it).
         metrics["engine_decode_step_ms"] = decode[0] * 1e3 if decode else None
         metrics["engine_decode_rows_mean"] = decode[1] if decode else None

@@ -78,6 +78,9 @@ def main() -> None:
     ap.add_argument("--result-dir", default="benchmarks/results")
     ap.add_argument("--gpu-name", default="h200", help="names the result files")
     ap.add_argument("--out", default=None, help="default: <result-dir>/serve-<gpu-name>-<moe-format>.json")
+    ap.add_argument("--bare-from", default=None,
+                    help="the bare step records of an earlier run on this machine (same model and format), "
+                         "instead of measuring them again")
     args = ap.parse_args()
     sweeps = [parse_sweep(s) for s in (args.sweep or ["1024x1024:1,8,32,64,128", "8192x1024:8,32"])]
     max_len = max(isl + osl for isl, osl, _ in sweeps) + 128
@@ -130,7 +133,10 @@ def main() -> None:
     bare_cmd = [sys.executable, "benchmarks/bench_slice_decode.py", "--preset", args.model, "--batches",
                 *map(str, batches), "--context", str(context), "--moe-format", args.moe_format,
                 "--prefill-lens", str(prefill_len), "--out", str(bare_path)]
-    subprocess.run(bare_cmd, cwd=REPO, env=env, check=True)
+    if args.bare_from:
+        bare_path = Path(args.bare_from)
+    else:
+        subprocess.run(bare_cmd, cwd=REPO, env=env, check=True)
     bare_records = json.loads(bare_path.read_text())
     bare = {r["shape"]["batch"]: r["time_s"] for r in bare_records if r["op"] == "m3_slice_decode_step"}
     prefill = {r["shape"]["tokens"]: r["time_s"] for r in bare_records if r["op"] == "m3_slice_prefill"}

@@ -17,6 +17,7 @@
 #   serve     the benchmark contract through `m3jax serve` + `m3jax bench serve`, with the bare step beside it
 #             (issue 27; SERVE_FORMAT=bf16|mxfp8, prompt counts reduced to fit one call; SERVE_SWEEPS and
 #             SERVE_PROMPTS trim it further)
+#   serve-switch  the serve case's sweeps again with a 0.5 ms GIL switch interval in the server (after serve)
 #   invariance  greedy batch invariance of the engine with and without --batch-invariant, and which XLA ops
 #             change a row's result with the row count (issue 27; each mode in its own process)
 #   structured  grammar masks at batch 64 on this host's CPUs (issue 25; llguidance has no wheel for the GPU
@@ -34,7 +35,7 @@ for what in "$@"; do
       timeout 300 python3 benchmarks/bench_startup.py serve --model m3-slice --max-num-seqs 128 \
         --max-num-batched-tokens 8192 --cache-dir /tmp/m3c --out "$OUT/startup-h200.json"
       M3JAX_COMPILATION_CACHE=/tmp/m3c timeout 150 python3 benchmarks/bench_engine_step.py --model m3-slice \
-        --batches 32 128 --context 1024 --out "$OUT/engine-step-h200.json"
+        --batches ${STEP_BATCHES:-32 128} --context 1024 --out "$OUT/engine-step-h200.json"
       timeout 150 python3 benchmarks/bench_startup.py shapes --buckets 256 8192 --out "$OUT/startup-shapes-h200.json"
       ;;
     step)
@@ -82,6 +83,18 @@ for what in "$@"; do
         ${SERVE_SWEEPS:---sweep 1024x1024:1,8,32,64,128 --sweep 8192x1024:8,32} \
         --prompts-per-concurrency "${SERVE_PROMPTS:-2}" --warmups-per-concurrency 0.25 --result-dir "/tmp/serve-$fmt" --out "$OUT/serve-$gpu-$fmt.json"
       tar czf "$OUT/serve-$fmt.tgz" -C /tmp "serve-$fmt"
+      ;;
+    serve-switch)
+      # The serve case again with the server's GIL switch interval at 0.5 ms instead of Python's 5 ms (set by a
+      # sitecustomize on the server's path), reusing the serve case's bare step: whether the engine thread
+      # waits for the GIL behind the event loop at high concurrency.
+      fmt="${SERVE_FORMAT:-bf16}" gpu="${GPU_NAME:-h200}"
+      mkdir -p /tmp/switch && echo "import sys; sys.setswitchinterval(0.0005)" > /tmp/switch/sitecustomize.py
+      PYTHONPATH="/tmp/switch:$PYTHONPATH" timeout "${SERVE_TIMEOUT:-560}" python3 benchmarks/bench_serve_gpu.py \
+        --model "${MODEL:-m3-slice}" --moe-format "$fmt" --gpu-name "$gpu-switch" \
+        ${SERVE_SWEEPS:---sweep 1024x1024:1,128} --prompts-per-concurrency "${SERVE_PROMPTS:-2}" \
+        --warmups-per-concurrency 0.25 --result-dir "/tmp/serve-switch-$fmt" \
+        --bare-from "/tmp/serve-$fmt/serve-$gpu-$fmt-bare.json" --out "$OUT/serve-$gpu-switch-$fmt.json"
       ;;
     invariance)
       gpu="${GPU_NAME:-h200}"

@@ -17,7 +17,7 @@
 #   serve     the benchmark contract through `m3jax serve` + `m3jax bench serve`, with the bare step beside it
 #             (issue 27; SERVE_FORMAT=bf16|mxfp8, prompt counts reduced to fit one call; SERVE_SWEEPS and
 #             SERVE_PROMPTS trim it further)
-#   serve-switch  the serve case's sweeps again with a 0.5 ms GIL switch interval in the server (after serve)
+#   serve-host  the serve case's sweeps again with uvloop and a 0.5 ms GIL switch interval (after serve)
 #   invariance  greedy batch invariance of the engine with and without --batch-invariant, and which XLA ops
 #             change a row's result with the row count (issue 27; each mode in its own process)
 #   structured  grammar masks at batch 64 on this host's CPUs (issue 25; llguidance has no wheel for the GPU
@@ -84,17 +84,20 @@ for what in "$@"; do
         --prompts-per-concurrency "${SERVE_PROMPTS:-2}" --warmups-per-concurrency 0.25 --result-dir "/tmp/serve-$fmt" --out "$OUT/serve-$gpu-$fmt.json"
       tar czf "$OUT/serve-$fmt.tgz" -C /tmp "serve-$fmt"
       ;;
-    serve-switch)
-      # The serve case again with the server's GIL switch interval at 0.5 ms instead of Python's 5 ms (set by a
-      # sitecustomize on the server's path), reusing the serve case's bare step: whether the engine thread
-      # waits for the GIL behind the event loop at high concurrency.
+    serve-host)
+      # The serve case again with a lighter host side, set by a sitecustomize on the processes' path: uvloop as
+      # the event loop, and a 0.5 ms GIL switch interval instead of Python's 5 ms (the engine thread waits less
+      # for the GIL behind the event loop's bursts). Reuses the serve case's bare step. Whether the host's work
+      # per step is what holds the served step at high concurrency.
       fmt="${SERVE_FORMAT:-bf16}" gpu="${GPU_NAME:-h200}"
-      mkdir -p /tmp/switch && echo "import sys; sys.setswitchinterval(0.0005)" > /tmp/switch/sitecustomize.py
-      PYTHONPATH="/tmp/switch:$PYTHONPATH" timeout "${SERVE_TIMEOUT:-560}" python3 benchmarks/bench_serve_gpu.py \
-        --model "${MODEL:-m3-slice}" --moe-format "$fmt" --gpu-name "$gpu-switch" \
+      mkdir -p /tmp/hostfast && printf '%s\n' "import sys; sys.setswitchinterval(0.0005)" "try:" \
+        "    import asyncio, uvloop; asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())" \
+        "except ImportError: print('serve-host: no uvloop', file=sys.stderr)" > /tmp/hostfast/sitecustomize.py
+      PYTHONPATH="/tmp/hostfast:$PYTHONPATH" timeout "${SERVE_TIMEOUT:-560}" python3 benchmarks/bench_serve_gpu.py \
+        --model "${MODEL:-m3-slice}" --moe-format "$fmt" --gpu-name "$gpu-host" \
         ${SERVE_SWEEPS:---sweep 1024x1024:1,128} --prompts-per-concurrency "${SERVE_PROMPTS:-2}" \
-        --warmups-per-concurrency 0.25 --result-dir "/tmp/serve-switch-$fmt" \
-        --bare-from "/tmp/serve-$fmt/serve-$gpu-$fmt-bare.json" --out "$OUT/serve-$gpu-switch-$fmt.json"
+        --warmups-per-concurrency 0.25 --result-dir "/tmp/serve-host-$fmt" \
+        --bare-from "/tmp/serve-$fmt/serve-$gpu-$fmt-bare.json" --out "$OUT/serve-$gpu-host-$fmt.json"
       ;;
     invariance)
       gpu="${GPU_NAME:-h200}"

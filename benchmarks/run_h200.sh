@@ -88,7 +88,7 @@ for what in "$@"; do
       # The serve case again with a lighter host side, set by a sitecustomize on the processes' path: uvloop as
       # the event loop, and a 0.5 ms GIL switch interval instead of Python's 5 ms (the engine thread waits less
       # for the GIL behind the event loop's bursts). Reuses the serve case's bare step. Whether the host's work
-      # per step is what holds the served step at high concurrency.
+      # per step is what holds the served step at high concurrency. BARE_FROM: an earlier run's bare records.
       fmt="${SERVE_FORMAT:-bf16}" gpu="${GPU_NAME:-h200}"
       mkdir -p /tmp/hostfast && printf '%s\n' "import sys; sys.setswitchinterval(0.0005)" "try:" \
         "    import asyncio, uvloop; asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())" \
@@ -97,7 +97,7 @@ for what in "$@"; do
         --model "${MODEL:-m3-slice}" --moe-format "$fmt" --gpu-name "$gpu-host" \
         ${SERVE_SWEEPS:---sweep 1024x1024:1,128} --prompts-per-concurrency "${SERVE_PROMPTS:-2}" \
         --warmups-per-concurrency 0.25 --result-dir "/tmp/serve-host-$fmt" \
-        --bare-from "/tmp/serve-$fmt/serve-$gpu-$fmt-bare.json" --out "$OUT/serve-$gpu-host-$fmt.json"
+        --bare-from "${BARE_FROM:-/tmp/serve-$fmt/serve-$gpu-$fmt-bare.json}" --out "$OUT/serve-$gpu-host-$fmt.json"
       ;;
     invariance)
       gpu="${GPU_NAME:-h200}"

@@ -6,12 +6,16 @@ aborts the request, which frees its pages at the core's next step.
 
 A step emits one output per running request. They cross to the event loop through one `_Mailbox` per loop: one
 wake-up of the loop per burst of outputs, not one per output (each wake-up is a write to the loop's self-pipe
-and a hand-over of the GIL, on the step thread's time).
+and a hand-over of the GIL, on the step thread's time). When the loop falls behind the steps, the outputs a stream
+finds waiting are merged into one (their deltas joined; `merge`), as vLLM's output collector does: the server then
+sends one message per stream per turn of the loop instead of one per token, and catches up instead of falling
+further behind.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import weakref
 from collections import deque
@@ -47,6 +51,13 @@ class _Mailbox:
             queue.put_nowait(out)
 
 
+def merge(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """Two consecutive outputs of one stream (same choice) as one: the later's state (text, ids, logprobs and
+    everything else is cumulative) with both deltas."""
+    return dataclasses.replace(later, delta_text=earlier.delta_text + later.delta_text,
+                               delta_token_ids=earlier.delta_token_ids + later.delta_token_ids)
+
+
 class AsyncEngine:
     def __init__(self, core: EngineCore):
         self.core = core
@@ -72,9 +83,16 @@ class AsyncEngine:
             self.core.submit(req, text, sink=lambda out: box.post(queue, out))
         rid = group[0][0].parent_id or group[0][0].request_id
         left = len(group)
+        held: RequestOutput | None = None  # taken from the queue but not mergeable into the output before it
         try:
             while left:
-                out = await queue.get()
+                out, held = (held, None) if held is not None else (await queue.get(), None)
+                while out.error is None and not out.finished and not queue.empty():
+                    nxt = queue.get_nowait()
+                    if nxt.error is not None or nxt.outputs[0].index != out.outputs[0].index:
+                        held = nxt
+                        break
+                    out = merge(out, nxt)
                 if out.error is not None:
                     left = 0  # an errored request is already finished: nothing to abort
                     # A rejected request is the client's fault; a failed step is the server's.

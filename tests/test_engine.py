@@ -302,6 +302,53 @@ def test_step_outputs_reach_the_loop_in_one_wakeup_per_burst():
     assert late == 64 and wakeups == 2
 
 
+def test_a_stream_behind_the_steps_gets_its_waiting_outputs_merged():
+    """Outputs waiting in a stream's queue (the loop behind the steps) come out as one: both deltas, the later
+    state. Never across choices or an error; a finished output ends a merge."""
+    from types import SimpleNamespace
+
+    from serving.engine import AsyncEngine
+    from serving.outputs import CompletionOutput, RequestOutput
+
+    class Core:  # what AsyncEngine uses of an EngineCore
+        sinks, aborted = [], []
+
+        def start(self):
+            pass
+
+        def prepare_group(self, prompt, params, request_id):
+            return [(SimpleNamespace(parent_id="r", request_id=f"r#{i}"), None) for i in range(params.n)]
+
+        def submit(self, req, text, sink):
+            self.sinks.append(sink)
+
+        def abort(self, rid):
+            self.aborted.append(rid)
+
+    def out(index, ids, new, finished=False, error=None):
+        text = "".join(chr(97 + t) for t in ids)
+        return RequestOutput("r", None, [1], [CompletionOutput(index, text, ids)], finished,
+                             "".join(chr(97 + t) for t in new), new, error=error)
+
+    posted = [out(0, [1], [1]), out(0, [1, 2], [2]), out(0, [1, 2, 3], [3]), out(1, [9], [9]),
+              out(0, [1, 2, 3, 4], [4], finished=True), out(1, [9, 8], [8]), out(1, [9, 8, 7], [7], finished=True)]
+
+    async def main():
+        core = Core()
+        stream = AsyncEngine(core).generate([5], SamplingParams(n=2))
+        first = asyncio.ensure_future(stream.__anext__())
+        await asyncio.sleep(0)  # the stream has submitted both choices and waits on its queue
+        for o in posted:  # a whole burst lands before the stream runs again
+            core.sinks[0](o)
+        return [await first] + [o async for o in stream], core.aborted
+
+    got, aborted = asyncio.run(main())
+    assert [(o.outputs[0].index, o.delta_token_ids, o.delta_text, o.outputs[0].token_ids, o.finished) for o in got] == [
+        (0, [1, 2, 3], "bcd", [1, 2, 3], False), (1, [9], "j", [9], False), (0, [4], "e", [1, 2, 3, 4], True),
+        (1, [8, 7], "ih", [9, 8, 7], True)]
+    assert aborted == []
+
+
 def test_restart_loads_compiled_steps_from_disk(tmp_path):
     """A second engine with the same settings neither traces nor compiles: its executables come from disk."""
     settings = dict(model="m3-tiny", dtype="float32", max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16,

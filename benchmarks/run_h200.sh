@@ -16,8 +16,7 @@
 #   projection  one GPU of a TP8 / EP8 deployment with MXFP8 experts, the small-M linears, the projection (issue 23)
 #   serve     the benchmark contract through `m3jax serve` + `m3jax bench serve`, with the bare step beside it
 #             (issue 27; SERVE_FORMAT=bf16|mxfp8, prompt counts reduced to fit one call; SERVE_SWEEPS and
-#             SERVE_PROMPTS trim it further)
-#   serve-host  the serve case's sweeps again with uvloop and a 0.5 ms GIL switch interval (after serve)
+#             SERVE_PROMPTS trim it further; BARE_FROM reuses an earlier run's bare step records)
 #   invariance  greedy batch invariance of the engine with and without --batch-invariant, and which XLA ops
 #             change a row's result with the row count (issue 27; each mode in its own process)
 #   structured  grammar masks at batch 64 on this host's CPUs (issue 25; llguidance has no wheel for the GPU
@@ -81,23 +80,9 @@ for what in "$@"; do
       timeout "${SERVE_TIMEOUT:-560}" python3 benchmarks/bench_serve_gpu.py --model "${MODEL:-m3-slice}" \
         --moe-format "$fmt" --gpu-name "$gpu" \
         ${SERVE_SWEEPS:---sweep 1024x1024:1,8,32,64,128 --sweep 8192x1024:8,32} \
-        --prompts-per-concurrency "${SERVE_PROMPTS:-2}" --warmups-per-concurrency 0.25 --result-dir "/tmp/serve-$fmt" --out "$OUT/serve-$gpu-$fmt.json"
+        --prompts-per-concurrency "${SERVE_PROMPTS:-2}" --warmups-per-concurrency 0.25 --result-dir "/tmp/serve-$fmt" \
+        ${BARE_FROM:+--bare-from "$BARE_FROM"} --out "$OUT/serve-$gpu-$fmt.json"
       tar czf "$OUT/serve-$fmt.tgz" -C /tmp "serve-$fmt"
-      ;;
-    serve-host)
-      # The serve case again with a lighter host side, set by a sitecustomize on the processes' path: uvloop as
-      # the event loop, and a 0.5 ms GIL switch interval instead of Python's 5 ms (the engine thread waits less
-      # for the GIL behind the event loop's bursts). Reuses the serve case's bare step. Whether the host's work
-      # per step is what holds the served step at high concurrency. BARE_FROM: an earlier run's bare records.
-      fmt="${SERVE_FORMAT:-bf16}" gpu="${GPU_NAME:-h200}"
-      mkdir -p /tmp/hostfast && printf '%s\n' "import sys; sys.setswitchinterval(0.0005)" "try:" \
-        "    import asyncio, uvloop; asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())" \
-        "except ImportError: print('serve-host: no uvloop', file=sys.stderr)" > /tmp/hostfast/sitecustomize.py
-      PYTHONPATH="/tmp/hostfast:$PYTHONPATH" timeout "${SERVE_TIMEOUT:-560}" python3 benchmarks/bench_serve_gpu.py \
-        --model "${MODEL:-m3-slice}" --moe-format "$fmt" --gpu-name "$gpu-host" \
-        ${SERVE_SWEEPS:---sweep 1024x1024:1,128} --prompts-per-concurrency "${SERVE_PROMPTS:-2}" \
-        --warmups-per-concurrency 0.25 --result-dir "/tmp/serve-host-$fmt" \
-        --bare-from "${BARE_FROM:-/tmp/serve-$fmt/serve-$gpu-$fmt-bare.json}" --out "$OUT/serve-$gpu-host-$fmt.json"
       ;;
     invariance)
       gpu="${GPU_NAME:-h200}"

@@ -3,8 +3,8 @@
 A batch of B requests with ~`--context`-token prompts is prefilled through the engine core, then, decode only:
 - engine: `EngineCore.step()` back to back (scheduling, batch assembly, dispatch, collecting the previous step's
   tokens, stop checks, detokenisation and outputs: everything the serving loop does per token);
-- bare: the same compiled executable called back to back on a fixed decode batch (forward + sampling on the
-  device, no host work but the dispatch).
+- bare: the same compiled executables called back to back on a fixed decode batch (the forward and the sampling
+  executable the engine picks for those rows, on the device; no host work but the dispatch).
 The ratio engine / bare is the host's cost per step once async scheduling has overlapped it with the device; the
 engine's own split of its step (time blocked on the device's tokens, and the host work around it) goes beside it. On a
 GPU both loops are also traced: kernel-busy time per step tells device work from the device waiting on the host.
@@ -30,7 +30,7 @@ def measure(core: Any, batch: int, context: int, steps: int) -> dict[str, Any]:
     import jax
 
     from serving.outputs import SamplingParams
-    from serving.sampling import TokenConstraints
+    from serving.sampling import TokenConstraints, variant
     from serving.scheduler import ScheduledRow, SchedulerOutput
 
     cfg = core.model.cfg
@@ -71,16 +71,20 @@ def measure(core: Any, batch: int, context: int, steps: int) -> dict[str, Any]:
     rows = [ScheduledRow(r.seq, [int(rng.integers(0, cfg.vocab_size))], min(r.num_computed, len(r.pages) * ps - 1),
                          list(r.pages), True, r.slot, r.sampling, r.num_prompt, r.num_output)
             for r in core.scheduler.running]
-    num_tokens, forward_args, sampling, _ = runner.inputs(SchedulerOutput(rows, []))
-    forward_args, sampling = jax.device_put((forward_args, sampling))
+    num_tokens, forward_args, sampling_host, _ = runner.inputs(SchedulerOutput(rows, []))
+    # The sampling executable the engine picks for these rows (greedy: "sample_greedy"), as the engine runs it.
+    how = variant(sampling_host, runner.max_num_seqs, cfg.vocab_size, constrained=False, want_logprobs=False)
+    forward_args, sampling = jax.device_put((forward_args, sampling_host))
     rows_n = sampling.num_rows
-    fwd, smp = runner.executable("forward", num_tokens), runner.executable("sample", rows_n)
+    fwd, smp = runner.executable("forward", num_tokens), runner.executable(how, rows_n)
     constraints = jax.device_put(TokenConstraints.empty(rows_n, cfg.vocab_size))
+    sample_args = {"sample_greedy": lambda logits: (logits,), "sample": lambda logits: (
+        logits, runner.history, sampling, constraints)}.get(how, lambda logits: (logits, sampling))
 
     def bare_step() -> Any:
         runner.kv, runner.history, logits = fwd(runner.model.params, runner.kv, runner.history, runner.prev_tokens,
                                                  *forward_args)
-        runner.prev_tokens, out = smp(logits, runner.history, sampling, constraints)
+        runner.prev_tokens, out = smp(*sample_args(logits))
         return out
 
     outs = [bare_step() for _ in range(2)]
@@ -104,7 +108,7 @@ def measure(core: Any, batch: int, context: int, steps: int) -> dict[str, Any]:
     while core.has_work():
         core.step()
     return {"op": "engine_decode_step", "batch": batch, "context": context, "engine_step_s": engine,
-            "bare_step_s": bare, "engine_over_bare": engine / bare, "steps": steps,
+            "bare_step_s": bare, "engine_over_bare": engine / bare, "steps": steps, "bare_sampling": how,
             # Mean per step: blocked on the device's tokens, and the rest (host work, dispatch included).
             "engine_device_wait_s": statistics.median(t_wait[steps // 4:]),
             "engine_host_s": statistics.median(e - w for e, w in zip(t_engine[steps // 4:], t_wait[steps // 4:],

@@ -17,6 +17,8 @@
 #   serve     the benchmark contract through `m3jax serve` + `m3jax bench serve`, with the bare step beside it
 #             (issue 27; SERVE_FORMAT=bf16|mxfp8, prompt counts reduced to fit one call; SERVE_SWEEPS and
 #             SERVE_PROMPTS trim it further; BARE_FROM reuses an earlier run's bare step records)
+#   next      the reruns the last session could not make, in one call (~5 min): the engine step at batch 128,
+#             the served 1k/1k at concurrency 1 and 128 (bf16, the bare step reused from BARE_FROM), the cond probe
 #   invariance  greedy batch invariance of the engine with and without --batch-invariant, and which XLA ops
 #             change a row's result with the row count (issue 27; each mode in its own process)
 #   structured  grammar masks at batch 64 on this host's CPUs (issue 25; llguidance has no wheel for the GPU
@@ -83,6 +85,11 @@ for what in "$@"; do
         --prompts-per-concurrency "${SERVE_PROMPTS:-2}" --warmups-per-concurrency 0.25 --result-dir "/tmp/serve-$fmt" \
         ${BARE_FROM:+--bare-from "$BARE_FROM"} --out "$OUT/serve-$gpu-$fmt.json"
       tar czf "$OUT/serve-$fmt.tgz" -C /tmp "serve-$fmt"
+      ;;
+    next)
+      STEP_BATCHES=128 STEP_TIMEOUT=150 SERVE_SWEEPS="--sweep 1024x1024:1,128" SERVE_PROMPTS=1 SERVE_TIMEOUT=150 \
+        BARE_FROM="${BARE_FROM:-benchmarks/results/serve-h200-bf16-30e16d2/serve-h200-bf16-bare.json}" \
+        bash "$0" step serve cond
       ;;
     invariance)
       gpu="${GPU_NAME:-h200}"

@@ -30,7 +30,7 @@ def measure(core: Any, batch: int, context: int, steps: int) -> dict[str, Any]:
     import jax
 
     from serving.outputs import SamplingParams
-    from serving.sampling import TokenConstraints, variant
+    from serving.sampling import variant
     from serving.scheduler import ScheduledRow, SchedulerOutput
 
     cfg = core.model.cfg
@@ -75,16 +75,12 @@ def measure(core: Any, batch: int, context: int, steps: int) -> dict[str, Any]:
     # The sampling executable the engine picks for these rows (greedy: "sample_greedy"), as the engine runs it.
     how = variant(sampling_host, runner.max_num_seqs, cfg.vocab_size, constrained=False, want_logprobs=False)
     forward_args, sampling = jax.device_put((forward_args, sampling_host))
-    rows_n = sampling.num_rows
-    fwd, smp = runner.executable("forward", num_tokens), runner.executable(how, rows_n)
-    constraints = jax.device_put(TokenConstraints.empty(rows_n, cfg.vocab_size))
-    sample_args = {"sample_greedy": lambda logits: (logits,), "sample": lambda logits: (
-        logits, runner.history, sampling, constraints)}.get(how, lambda logits: (logits, sampling))
+    fwd = runner.executable("forward", num_tokens)
 
     def bare_step() -> Any:
         runner.kv, runner.history, logits = fwd(runner.model.params, runner.kv, runner.history, runner.prev_tokens,
                                                  *forward_args)
-        runner.prev_tokens, out = smp(*sample_args(logits))
+        runner.prev_tokens, out = runner.run_sampling(how, logits, sampling, None)
         return out
 
     outs = [bare_step() for _ in range(2)]

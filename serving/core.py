@@ -401,7 +401,7 @@ class EngineCore:
         return self._constraints(grid, num_rows * width)
 
     def _launch(self, scheduled: SchedulerOutput, outputs: list[RequestOutput]) -> InFlight | None:
-        t0, scheduled_at = time.perf_counter(), time.monotonic()
+        t0 = time.perf_counter()
         reqs = self._sampled_requests(scheduled)
         defer = self.num_speculative_tokens == 0 and any(r is not None and r.grammar is not None for r in reqs)
         if self.num_speculative_tokens:
@@ -417,10 +417,6 @@ class EngineCore:
             return None
         self.stats["steps"] += 1
         self.stats["step_tokens"] += scheduled.num_tokens
-        for row in scheduled.rows:
-            client = self._clients.get(row.seq)
-            if client is not None and client.req.scheduled_time is None:
-                client.req.scheduled_time = scheduled_at
         now = time.perf_counter()
         self.last_step_seconds = now - t0
         self._count_decode_period(scheduled, now)

@@ -61,8 +61,8 @@ class Request:
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     error: str | None = None
     num_preemptions: int = 0
-    # When its first chunk was scheduled (time.monotonic), just before the step's inputs are built and dispatched:
-    # queue time is arrival to here, prefill time here to the first token.
+    # When the scheduler first admitted it (time.monotonic), before its first step's inputs are built and
+    # dispatched: queue time is arrival to here, prefill time here to the first token.
     scheduled_time: float | None = None
     first_token_time: float | None = None
     # Unique per admission (client request ids may be reused once a request ends): what steps in flight and

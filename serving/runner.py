@@ -441,22 +441,26 @@ class ModelRunner:
 
     def sample(self, step: InFlight, constraints: TokenConstraints | None = None) -> None:
         """Dispatch a launched step's sampling (None: no biases, no grammar)."""
-        rows = step.num_rows
         try:
             how = variant(step.sampling, self.max_num_seqs, self.cfg.vocab_size, constrained=constraints is not None,
                           want_logprobs=step.want_logprobs)
-            if how == "sample_greedy":
-                self.prev_tokens, step.out = self.executable(how, rows)(step.logits)
-            elif how != "sample":
-                self.prev_tokens, step.out = self.executable(how, rows)(step.logits, step.sampling)
-            else:
-                if constraints is None:
-                    constraints = self._empty_constraints(rows)
-                self.prev_tokens, step.out = self.executable("sample", rows)(step.logits, self.history,
-                                                                            step.sampling, constraints)
+            self.prev_tokens, step.out = self.run_sampling(how, step.logits, step.sampling, constraints)
         except Exception as e:
             self._reset_state()
             raise StepFailed(f"step failed: {e}") from e
+
+    def run_sampling(self, how: str, logits: jax.Array, sampling: SamplingTensors,
+                     constraints: TokenConstraints | None) -> tuple[jax.Array, SampleOutput]:
+        """Dispatch sampling executable `how` (`sampling.variant`) on a step's logits: (the next step's
+        `prev_tokens`, the sampled output). Each takes only what it reads."""
+        rows = sampling.num_rows
+        exe = self.executable(how, rows)
+        if how == "sample_greedy":
+            return exe(logits)
+        if how != "sample":
+            return exe(logits, sampling)
+        return exe(logits, self.history, sampling,
+                   constraints if constraints is not None else self._empty_constraints(rows))
 
     @property
     def logits_per_row(self) -> int:

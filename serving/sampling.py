@@ -432,9 +432,8 @@ def sample(logits: jax.Array, t: SamplingTensors, max_logprobs: int, history: Pe
             return jax.lax.cond(pred, yes, no, *args)
         return yes(*args) if static else no(*args)
 
-    needs_filter = ~is_greedy & (((t.top_k > 0) & (t.top_k < V)) | (t.top_p < 1.0) | (t.min_p > 0.0))
-    keep = skip(filtered, jnp.any(needs_filter), lambda s: filter_mask(s, t), lambda s: jnp.ones(s.shape, bool),
-                scaled)
+    keep = skip(filtered, jnp.any(~is_greedy & filters(t, V)), lambda s: filter_mask(s, t),
+                lambda s: jnp.ones(s.shape, bool), scaled)
 
     def draw(s: jax.Array, m: jax.Array) -> jax.Array:
         # Gumbel-max: argmax(logits + Gumbel) is a draw from softmax(logits) restricted to the kept tokens.
@@ -478,9 +477,13 @@ def variant(t: SamplingTensors, num_slots: int, vocab_size: int, *, constrained:
     sampled = np.asarray(t.temperature) > GREEDY_EPS
     if not sampled.any():
         return "sample_draw" if want_logprobs else "sample_greedy"
-    top_k = np.asarray(t.top_k)
-    filters = ((top_k > 0) & (top_k < vocab_size)) | (np.asarray(t.top_p) < 1.0) | (np.asarray(t.min_p) > 0.0)
-    return "sample_filter" if (sampled & filters).any() else "sample_draw"
+    return "sample_filter" if (sampled & filters(t, vocab_size)).any() else "sample_draw"
+
+
+def filters(t: SamplingTensors, vocab_size: int) -> Array:
+    """bool[L]: rows with top-k, top-p or min-p on (numpy or jax arrays alike: the host's `variant` and the
+    device's `sample` decide with the same expression)."""
+    return ((t.top_k > 0) & (t.top_k < vocab_size)) | (t.top_p < 1.0) | (t.min_p > 0.0)
 
 
 def logprobs_of(raw_logprobs: jax.Array, tokens: jax.Array, max_logprobs: int

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import time
 
 import numpy as np
 
@@ -208,6 +209,8 @@ class Scheduler:
             req.pages += self.allocator.allocate(need)
             req.slot = self._free_slots.pop()
             req.status = Status.RUNNING
+            if req.scheduled_time is None:  # its queue time ends here (a readmission after preemption keeps it)
+                req.scheduled_time = time.monotonic()
             self.running.append(req)
             rows.append(self._row(req, n))
             budget -= n

@@ -221,7 +221,7 @@ def last_layer_pieces(params, kv, batch, x_TD, *, cfg, kernels) -> dict[str, jax
     experts, shared_slot = moe_kernel.experts_of(m) if "experts" in m else (None, False)
     tiles = experts and inv and kernels.moe != "reference" and moe_kernel.kernel_tiles(
         b.num_tokens, experts, interpret=interpret,
-        tiles=invariant_tiles(layout.weight_format(experts), interpret=interpret))
+        tiles=invariant_tiles(layout.weight_format(experts), b.num_tokens, interpret=interpret))
     if run.mlp == "moe" and tiles:  # the pieces of what `ops.moe` ran on the kernels
         logits = invariant_router_logits(h2_TD, m["router"], impl=kernels.moe)
         idx, w = moe_kernel.route(h2_TD, m["router"], m["router_bias"], cfg.num_experts_per_tok, logits)

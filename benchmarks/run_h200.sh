@@ -9,6 +9,9 @@
 #   attninv   the attention kernels with the batch-invariant tiles (mask_every_page index scoring, per-token
 #             sparse prefill, dense single-tile) against their jnp references, 8k decode and prefill
 #   lincheck  the linear kernel's batch-invariant rows bitwise across M, split spread vs in-program, other tiles
+#   moeinv    the MoE kernels' rows bitwise across tile sets and token counts (what the invariant tiles rely on)
+#   invnext   moeinv, then the engine's invariance under --batch-invariant against the default-mode record of
+#             BASELINE (default: rev 30e16d2's), in one call (~7 min)
 #   invcost   the bare decode step and a 1k prefill with and without --batch-invariant, kernel by kernel (issue 27)
 #   smoke     engine sizes that are not powers of two
 #   spec      a speculative step's cost against a plain decode step, and the projected speed-up (issue 24)
@@ -53,6 +56,14 @@ for what in "$@"; do
     lincheck)  # the linear kernel's invariant rows on the device, and larger tiles over the same K order
       timeout 330 python3 benchmarks/check_linear_invariance.py --model "${MODEL:-m3-slice}" --m 1 32 300 2048 \
         --alt-tiles 128,128,64,8,3 128,256,64,8,3 --out "$OUT/linear-invariance-${GPU_NAME:-h200}.json"
+      ;;
+    moeinv)
+      timeout "${MOEINV_TIMEOUT:-150}" python3 benchmarks/check_moe_invariance.py \
+        --out "$OUT/moe-invariance-${GPU_NAME:-h200}.json"
+      ;;
+    invnext)
+      OPS=0 BISECT=0 BASELINE="${BASELINE:-benchmarks/results/invariance-default-h200-30e16d2.json}" \
+        bash "$0" moeinv invariance
       ;;
     invcost)
       for flag in "" --batch-invariant; do

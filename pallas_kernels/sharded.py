@@ -349,7 +349,7 @@ def moe_ep_device(h_TD: jax.Array, p: dict, *, device: jax.Array | int, num_devi
         e_TJ = jnp.concatenate([e_TJ, jnp.where(ours_T, slots - 1, slots)[:, None]], axis=1)
         w_TJ = jnp.concatenate([w_TJ, ours_T.astype(jnp.float32)[:, None]], axis=1)
 
-    tiles = (invariant_tiles(layout.weight_format(experts), interpret=impl == "interpret")
+    tiles = (invariant_tiles(layout.weight_format(experts), T, interpret=impl == "interpret")
              if invariant and impl != "reference" else None)
     use_kernel = impl != "reference" and kernel_tiles(T, experts, tiles=tiles) is not None
     if use_kernel:

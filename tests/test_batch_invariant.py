@@ -50,9 +50,14 @@ def test_invariant_tiles_ignore_the_batch():
         assert t.split == 1 or k // t.bk // t.split >= 2
     assert pick_tiles(4096, 6144, 8192) is None  # without the flag, prefill sizes are XLA's
     for fmt in ("dense", "mxfp8", "mxfp4"):
-        t = invariant_tiles(fmt)
-        assert t.tail_heights == () and t.gu.split == t.dn.split == 1
-        assert fill_shard(t, 5, 6144, 384) == t  # a narrow shard's fill would split K by the block count
+        tiles = [invariant_tiles(fmt, t) for t, _ in STEPS]
+        # Only the block height (and its tail heights and launch grouping) may change with the token count: each
+        # element's K order (K step, N tile, warps, MX widening) is one, and no K is split.
+        assert len({(t.gu, t.dn, t.mx_mode, t.mx_rows) for t in tiles}) == 1
+        assert all(t.gu.split == t.dn.split == 1 for t in tiles)
+        assert invariant_tiles(fmt, 1).bm == 16  # decode's blocks, not the mid entry's taller ones
+        for t in tiles:
+            assert fill_shard(t, 5, 6144, 384) == t  # a narrow shard's fill would split K by the block count
 
 
 @pytest.mark.parametrize("m", [1, 17, 64, 65, 130, 300])

@@ -40,7 +40,8 @@ def moe(h_TD: jax.Array, p: dict, *, top_k: int, routed_scaling: float, alpha: f
         raise ValueError(f"MoE impl {impl!r}: expected one of {IMPLS} (resolve the KernelChoice first)")
     tiles = None
     if impl != "reference" and invariant:
-        tiles = invariant_tiles(layout.weight_format(experts_of(p)[0]), interpret=impl == "interpret")
+        tiles = invariant_tiles(layout.weight_format(experts_of(p)[0]), h_TD.shape[0],
+                                interpret=impl == "interpret")
     if impl != "reference" and kernel_tiles(h_TD.shape[0], experts_of(p)[0], tiles=tiles) is None:
         impl = "reference"  # shapes no tile divides (tiny test configs; MXFP4 needs K % 128 == 0)
     if impl == "reference":

@@ -225,14 +225,21 @@ def pick_tiles(num_tokens: int, fmt: str, *, interpret: bool = False) -> MoeTile
     return tiles
 
 
-def invariant_tiles(fmt: str, *, interpret: bool = False) -> MoeTiles:
-    """The batch-invariant tiles (KernelChoice.batch_invariant): the mid regime's entry for every token count,
-    without shorter tail blocks, split K or a shard fill, so that each (token, expert) row is computed by the same
-    dot shapes over the same K order whatever the step holds. Decode pays for taller blocks than its rows need,
-    prefill for shorter ones than it could use."""
+def invariant_tiles(fmt: str, num_tokens: int, *, interpret: bool = False) -> MoeTiles:
+    """The batch-invariant tiles (KernelChoice.batch_invariant) for a call of `num_tokens` rows: the decode entry up
+    to DECODE_MAX_T and the mid entry above it (prefill's K step differs), without split K or a shard fill.
+
+    A row's bits must not depend on what the step holds. The decode and mid entries run each output element over
+    the same K steps, N tile, warps and MX widening and differ only in block height (and the mid entry's shorter
+    tail blocks). Triton folds `acc + dot(x, w)` into MMAs that accumulate into acc, so an element's sum is the same
+    sequence of 16-deep MMA steps whatever the block's height; benchmarks/check_moe_invariance.py checks the rows
+    bit for bit on the device. One tile set for every T (the mid entry, as before) cost the decode step 23% at
+    batch 32 on the H200: 64-row blocks where decode needs 16."""
     if interpret:
         return INTERPRET_TILES
-    return pick_tiles(DECODE_MAX_T + 1, fmt).replace(regime="invariant", tail_heights=())
+    tiles = pick_tiles(min(max(num_tokens, 2), MID_MAX_T), fmt)  # 2: one token's split down is not invariant
+    return tiles.replace(regime="invariant", gu=dataclasses.replace(tiles.gu, split=1),
+                         dn=dataclasses.replace(tiles.dn, split=1))
 
 
 def fit_tiles(tiles: MoeTiles, d_model: int, d_ff: int, fmt: str) -> MoeTiles | None:

@@ -19,6 +19,8 @@ import argparse
 import importlib.util
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -63,6 +65,67 @@ def bare_at(bare: dict[int, float], rows: float) -> float:
     return float(np.interp(rows, xs, [bare[x] for x in xs]))
 
 
+def _py_spy() -> str | None:
+    """py-spy's binary: on PATH, or in a `bin/` beside a PYTHONPATH entry (a `pip install --target` of its wheel)."""
+    found = shutil.which("py-spy")
+    for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+        candidate = Path(entry) / "bin" / "py-spy"
+        if not found and entry and candidate.exists():
+            found = str(candidate)
+    return found
+
+
+def gil_profile(pid: int, cmd: list[str], env: dict, raw_path: Path, rate: int = 250) -> dict | None:
+    """Run `cmd` (a bench level) while py-spy samples the process `pid` (its threads, only while one holds the
+    GIL); write the raw stacks to `raw_path` and a summary beside it (`.json`): the GIL's busy fraction, per
+    thread, and the functions (inclusive) that hold it most."""
+    spy = _py_spy()
+    if spy is None:
+        print("[serve-gpu] py-spy not found: no GIL profile", flush=True)
+        return None
+    rec = subprocess.Popen([spy, "record", "--pid", str(pid), "--gil", "--threads", "--nonblocking", "--rate",
+                            str(rate), "--format", "raw", "-o", str(raw_path)], stdout=subprocess.DEVNULL,
+                           stderr=subprocess.STDOUT)
+    t0 = time.perf_counter()
+    subprocess.run(cmd, cwd=REPO, env=env, check=False)
+    seconds = time.perf_counter() - t0
+    rec.send_signal(signal.SIGINT)  # py-spy writes its samples on SIGINT
+    try:
+        rec.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        rec.kill()
+    if not raw_path.exists():
+        print("[serve-gpu] py-spy wrote nothing (no ptrace permission?)", flush=True)
+        return None
+    summary = summarise_stacks(raw_path.read_text(), rate * seconds)
+    summary.update(seconds=seconds, rate_hz=rate, command=cmd)
+    raw_path.with_suffix(".json").write_text(json.dumps(summary, indent=1) + "\n")
+    print(f"[serve-gpu] GIL held {summary['gil_busy_fraction']:.0%} of {seconds:.1f} s: "
+          f"{summary['by_thread']}", flush=True)
+    return summary
+
+
+def summarise_stacks(raw: str, possible_samples: float, top: int = 60) -> dict:
+    """py-spy raw stacks ("thread (tid): name;frame;frame... count" per line) -> per-thread sample shares and the
+    `top` (thread, function) pairs by inclusive samples."""
+    by_thread: dict[str, int] = {}
+    inclusive: dict[tuple[str, str], int] = {}
+    for line in raw.splitlines():
+        if not line.strip():
+            continue
+        stack, count = line.rsplit(" ", 1)
+        frames = stack.split(";")
+        thread = frames[0].split(": ", 1)[-1]
+        by_thread[thread] = by_thread.get(thread, 0) + int(count)
+        for fn in {re.sub(r":\d+\)$", ")", f) for f in frames[1:]}:
+            inclusive[(thread, fn)] = inclusive.get((thread, fn), 0) + int(count)
+    total = sum(by_thread.values())
+    ranked = sorted(inclusive.items(), key=lambda kv: -kv[1])[:top]
+    return {"gil_busy_fraction": total / possible_samples if possible_samples else None, "samples": total,
+            "by_thread": {t: n / max(total, 1) for t, n in sorted(by_thread.items(), key=lambda kv: -kv[1])},
+            "top_inclusive": [{"thread": t, "function": f, "share": n / max(total, 1)} for (t, f), n in ranked]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="m3-slice")
@@ -78,6 +141,9 @@ def main() -> None:
     ap.add_argument("--result-dir", default="benchmarks/results")
     ap.add_argument("--gpu-name", default="h200", help="names the result files")
     ap.add_argument("--out", default=None, help="default: <result-dir>/serve-<gpu-name>-<moe-format>.json")
+    ap.add_argument("--profile-concurrency", type=int, default=None,
+                    help="after the sweeps, one more 1k/1k level at this concurrency with py-spy sampling the "
+                         "server's threads while they hold the GIL (who sets the pace of a host-bound step)")
     ap.add_argument("--bare-from", default=None,
                     help="the bare step records of an earlier run on this machine (same model and format), "
                          "instead of measuring them again")
@@ -112,6 +178,14 @@ def main() -> None:
                        "--result-dir", str(result_dir), "--tag", tag,
                        *([] if importlib.util.find_spec("matplotlib") else ["--no-plot"])]
                 subprocess.run(cmd, cwd=REPO, env=env, check=False)
+            if args.profile_concurrency:
+                isl, osl = sweeps[0][:2]
+                tag = f"serve-{args.gpu_name}-{args.moe_format}-profile"
+                cmd = [sys.executable, "-m", "m3jax", "bench", "serve", "--base-url", url, "--input-len", str(isl),
+                       "--output-len", str(osl), "--concurrency", str(args.profile_concurrency),
+                       "--prompts-per-concurrency", "1", "--warmups-per-concurrency", "0.25",
+                       "--result-dir", str(result_dir), "--tag", tag, "--no-plot"]
+                gil_profile(proc.pid, cmd, env, result_dir / f"{tag}-gil.txt")
         finally:
             proc.send_signal(signal.SIGTERM)
             try:

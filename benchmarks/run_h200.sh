@@ -21,7 +21,8 @@
 #             (issue 27; SERVE_FORMAT=bf16|mxfp8, prompt counts reduced to fit one call; SERVE_SWEEPS and
 #             SERVE_PROMPTS trim it further; BARE_FROM reuses an earlier run's bare step records)
 #   next      the reruns the last session could not make, in one call (~5 min): the engine step at batch 128,
-#             the served 1k/1k at concurrency 1 and 128 (bf16, the bare step reused from BARE_FROM), the cond probe
+#             the served 1k/1k at concurrency 1 and 128 (bf16, the bare step reused from BARE_FROM) and a c128
+#             level with py-spy on the server's GIL (PROFILE_C; needs py-spy's wheel in .whl/), the cond probe
 #   invariance  greedy batch invariance of the engine with and without --batch-invariant, and which XLA ops
 #             change a row's result with the row count (issue 27; each mode in its own process)
 #   structured  grammar masks at batch 64 on this host's CPUs (issue 25; llguidance has no wheel for the GPU
@@ -44,10 +45,11 @@ for what in "$@"; do
       ;;
     step)
       timeout "${STEP_TIMEOUT:-150}" python3 benchmarks/bench_engine_step.py --model "${MODEL:-m3-slice}" \
-        --batches 32 128 --context 1024 --max-num-batched-tokens 256 --out "$OUT/engine-step-${GPU_NAME:-h200}.json"
+        --batches ${STEP_BATCHES:-32 128} --context 1024 --max-num-batched-tokens 256 \
+        --out "$OUT/engine-step-${GPU_NAME:-h200}.json"
       ;;
     cond)
-      timeout 240 python3 benchmarks/probe_cond_dispatch.py --out "$OUT/cond-dispatch-${GPU_NAME:-h200}.json"
+      timeout "${COND_TIMEOUT:-240}" python3 benchmarks/probe_cond_dispatch.py --out "$OUT/cond-dispatch-${GPU_NAME:-h200}.json"
       ;;
     attninv)
       timeout 240 python3 benchmarks/bench_attention.py --batch-invariant --contexts 8192 --variants none \
@@ -94,11 +96,13 @@ for what in "$@"; do
         --moe-format "$fmt" --gpu-name "$gpu" \
         ${SERVE_SWEEPS:---sweep 1024x1024:1,8,32,64,128 --sweep 8192x1024:8,32} \
         --prompts-per-concurrency "${SERVE_PROMPTS:-2}" --warmups-per-concurrency 0.25 --result-dir "/tmp/serve-$fmt" \
-        ${BARE_FROM:+--bare-from "$BARE_FROM"} --out "$OUT/serve-$gpu-$fmt.json"
+        ${BARE_FROM:+--bare-from "$BARE_FROM"} ${PROFILE_C:+--profile-concurrency "$PROFILE_C"} \
+        --out "$OUT/serve-$gpu-$fmt.json"
       tar czf "$OUT/serve-$fmt.tgz" -C /tmp "serve-$fmt"
       ;;
     next)
-      STEP_BATCHES=128 STEP_TIMEOUT=150 SERVE_SWEEPS="--sweep 1024x1024:1,128" SERVE_PROMPTS=1 SERVE_TIMEOUT=150 \
+      STEP_BATCHES=128 STEP_TIMEOUT=120 SERVE_SWEEPS="--sweep 1024x1024:1,128" SERVE_PROMPTS=1 SERVE_TIMEOUT=220 \
+        PROFILE_C="${PROFILE_C:-128}" COND_TIMEOUT=200 \
         BARE_FROM="${BARE_FROM:-benchmarks/results/serve-h200-bf16-30e16d2/serve-h200-bf16-bare.json}" \
         bash "$0" step serve cond
       ;;

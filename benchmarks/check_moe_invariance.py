@@ -3,12 +3,13 @@
 The batch-invariant mode (tiles.invariant_tiles) runs the table's decode entry (16-row blocks) up to 128 tokens
 and its mid entry (64-row blocks in bf16, 32 in MXFP8, shorter tail blocks) above, so that decode does not pay for
 blocks four times taller than it needs. That holds only if a row's bits do not depend on the block height when
-the K steps, N tile and warps are the same. This checks exactly that: for each tile set and token count M, rows
-[:M] of the op (the same tokens, their routing fixed once) against the first set's rows at the largest M (the
-invariant tiles at 2048 tokens), bit for bit. The prefill entries (other K steps) show what else would hold.
+the K steps, N tile and warps are the same. This checks exactly that: rows [:M] of the op (the same tokens, their
+routing fixed once) against the invariant tiles' rows at the largest M, bit for bit, for the mode's own choice at
+each M in --policy-m and for the table's entries (and variants) at each M in --m. The prefill entries (other K
+steps) show what else would hold.
 
     PYTHONPATH=. python benchmarks/check_moe_invariance.py [--formats bf16 mxfp8] [--m 1 8 32 128 300 2048]
-    PYTHONPATH=. python benchmarks/check_moe_invariance.py --tiny --interpret --m 1 5 40   # CPU smoke run
+    PYTHONPATH=. python benchmarks/check_moe_invariance.py --tiny --interpret --m 5 --policy-m 1 40   # CPU smoke
 """
 
 from __future__ import annotations
@@ -31,15 +32,13 @@ FORMATS = {"bf16": "dense", "mxfp8": "mxfp8", "mxfp4": "mxfp4"}
 
 
 def tile_sets(fmt: str, interpret: bool) -> dict[str, MoeTiles]:
-    """The invariant tiles and the table's per-regime entries (2 tokens for decode: one token may split K)."""
+    """The table's per-regime entries (2 tokens for decode: one token may split K) and variants."""
     if interpret:  # one tile set in interpret mode; vary the block height the way the GPU table does
         base = invariant_tiles(fmt, 1, interpret=True)
-        return {"invariant": base, "bm32": base.replace(bm=32), "bm32_tail16": base.replace(bm=32,
-                                                                                           tail_heights=(16,))}
+        return {"bm32": base.replace(bm=32), "bm32_tail16": base.replace(bm=32, tail_heights=(16,))}
     mid = pick_tiles(DECODE_MAX_T + 1, fmt)
     pre = pick_tiles(MID_MAX_T + 1, fmt)
-    return {"invariant_2048": invariant_tiles(fmt, MID_MAX_T), "invariant_1": invariant_tiles(fmt, 1),
-            "decode": pick_tiles(2, fmt), "mid": mid, "mid_no_tail": mid.replace(tail_heights=()),
+    return {"decode": pick_tiles(2, fmt), "mid": mid, "mid_no_tail": mid.replace(tail_heights=()),
             "mid_bm32": mid.replace(bm=32, tail_heights=(16,)), "prefill": pre,
             "prefill_no_tail": pre.replace(tail_heights=())}
 
@@ -47,7 +46,9 @@ def tile_sets(fmt: str, interpret: bool) -> dict[str, MoeTiles]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--formats", nargs="+", default=["bf16", "mxfp8"], choices=tuple(FORMATS))
-    ap.add_argument("--m", type=int, nargs="+", default=[1, 8, 32, 128, 300, 2048])
+    ap.add_argument("--policy-m", type=int, nargs="+", default=[1, 8, 128, 129, 2048],
+                    help="token counts at which the invariant tiles' own choice (tiles.invariant_tiles) is checked")
+    ap.add_argument("--m", type=int, nargs="+", default=[32, 300], help="token counts for the other tile sets")
     ap.add_argument("--experts", type=int, default=16, help="routed experts (the per-row arithmetic does not "
                                                             "depend on how many; fewer keep the weights small)")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (D=256, F=128) for a CPU smoke run")
@@ -59,7 +60,7 @@ def main() -> None:
     D, F = (256, 128) if args.tiny else (6144, 3072)
     dt = jnp.float32 if args.interpret else jnp.bfloat16
     w = make_weights(jax.random.PRNGKey(0), E, D, F, dt)
-    max_m = max(args.m)
+    max_m = max(args.m + args.policy_m)
     h = jax.random.normal(jax.random.PRNGKey(1), (max_m, D), jnp.float32).astype(dt)
     # Routing once for all M: XLA's router GEMM is not what this checks.
     idx, wts = jax.jit(functools.partial(reference.route, top_k=K))(h, w["router"], w["router_bias"])
@@ -70,21 +71,25 @@ def main() -> None:
                                             alpha=ALPHA, limit=LIMIT, tiles=tiles, interpret=args.interpret)
 
     records = []
+
+    def compare(name: str, set_name: str, tiles: MoeTiles, m: int, want: np.ndarray) -> None:
+        got = np.asarray(run(h[:m], idx[:m], wts[:m], experts, tiles))
+        diff_rows = int(np.sum(np.any(got.view(np.uint32) != want[:m].view(np.uint32), axis=1)))
+        rec = {"format": name, "tiles": set_name, "m": m, "rows_differing": diff_rows,
+               "max_abs_diff": float(np.max(np.abs(got - want[:m]))), "tile_shapes": tiles_dict(tiles)}
+        records.append(rec)
+        print(f"{name:6s} {set_name:16s} M={m:5d}: {diff_rows}/{m} rows differ from the invariant tiles at "
+              f"M={max_m} (max |diff| {rec['max_abs_diff']:.3g})", flush=True)
+
     for name in args.formats:
         fmt = FORMATS[name]
         experts = w["dense"] if fmt == "dense" else layout.quantize_experts(w["dense"], fmt)
-        sets = tile_sets(fmt, args.interpret)
-        want = np.asarray(run(h, idx, wts, experts, next(iter(sets.values()))))
-        for set_name, tiles in sets.items():
+        want = np.asarray(run(h, idx, wts, experts, invariant_tiles(fmt, max_m, interpret=args.interpret)))
+        for m in args.policy_m:  # the mode's own choice at each token count
+            compare(name, "invariant", invariant_tiles(fmt, m, interpret=args.interpret), m, want)
+        for set_name, tiles in tile_sets(fmt, args.interpret).items():
             for m in args.m:
-                got = np.asarray(run(h[:m], idx[:m], wts[:m], experts, tiles))
-                diff_rows = int(np.sum(np.any(got.view(np.uint32) != want[:m].view(np.uint32), axis=1)))
-                rec = {"format": name, "tiles": set_name, "m": m, "rows_differing": diff_rows,
-                       "max_abs_diff": float(np.max(np.abs(got - want[:m]))),
-                       "tile_shapes": tiles_dict(tiles)}
-                records.append(rec)
-                print(f"{name:6s} {set_name:16s} M={m:5d}: {diff_rows}/{m} rows differ from the invariant tiles "
-                      f"at M={max_m} (max |diff| {rec['max_abs_diff']:.3g})", flush=True)
+                compare(name, set_name, tiles, m, want)
     dev = jax.devices()[0]
     out = {"device": f"{dev.device_kind} ({jax.default_backend()})", "rev": git_rev(), "experts": E, "top_k": K,
            "d_model": D, "d_ff": F, "reference_m": max_m, "records": records}

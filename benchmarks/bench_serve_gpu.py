@@ -75,17 +75,21 @@ def _py_spy() -> str | None:
     return found
 
 
-def gil_profile(pid: int, cmd: list[str], env: dict, raw_path: Path, rate: int = 250) -> dict | None:
-    """Run `cmd` (a bench level) while py-spy samples the process `pid` (its threads, only while one holds the
-    GIL); write the raw stacks to `raw_path` and a summary beside it (`.json`): the GIL's busy fraction, per
-    thread, and the functions (inclusive) that hold it most."""
+def gil_profile(pid: int, cmd: list[str], env: dict, raw_path: Path, rate: int = 250,
+                mode: str = "gil") -> dict | None:
+    """Run `cmd` (a bench level) while py-spy samples the process `pid`; write the raw stacks to `raw_path` and a
+    summary beside it (`.json`). mode "gil": only samples where a thread holds the GIL (the GIL's busy fraction,
+    per thread, and the functions that hold it most); "native": every thread at every sample, idle and native
+    (C/C++) frames included (where a thread's time goes while it does not hold the GIL)."""
     spy = _py_spy()
     if spy is None:
         print("[serve-gpu] py-spy not found: no GIL profile", flush=True)
         return None
-    rec = subprocess.Popen([spy, "record", "--pid", str(pid), "--gil", "--threads", "--nonblocking", "--rate",
-                            str(rate), "--format", "raw", "-o", str(raw_path)], stdout=subprocess.DEVNULL,
-                           stderr=subprocess.STDOUT)
+    # Native stacks need the process paused at each sample: a lower rate keeps that from pacing the steps.
+    how = ["--gil", "--nonblocking"] if mode == "gil" else ["--idle", "--native"]
+    rate = rate if mode == "gil" else min(rate, 100)
+    rec = subprocess.Popen([spy, "record", "--pid", str(pid), *how, "--threads", "--rate", str(rate), "--format",
+                            "raw", "-o", str(raw_path)], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     t0 = time.perf_counter()
     subprocess.run(cmd, cwd=REPO, env=env, check=False)
     seconds = time.perf_counter() - t0
@@ -98,16 +102,16 @@ def gil_profile(pid: int, cmd: list[str], env: dict, raw_path: Path, rate: int =
         print("[serve-gpu] py-spy wrote nothing (no ptrace permission?)", flush=True)
         return None
     summary = summarise_stacks(raw_path.read_text(), rate * seconds)
-    summary.update(seconds=seconds, rate_hz=rate, command=cmd)
+    summary.update(mode=mode, seconds=seconds, rate_hz=rate, command=cmd)
     raw_path.with_suffix(".json").write_text(json.dumps(summary, indent=1) + "\n")
-    print(f"[serve-gpu] GIL held {summary['gil_busy_fraction']:.0%} of {seconds:.1f} s: "
-          f"{summary['by_thread']}", flush=True)
+    print(f"[serve-gpu] py-spy ({mode}): {summary['samples']} samples over {seconds:.1f} s "
+          f"({summary['gil_busy_fraction']:.0%} of the possible per thread): {summary['by_thread']}", flush=True)
     return summary
 
 
-def summarise_stacks(raw: str, possible_samples: float, top: int = 60) -> dict:
-    """py-spy raw stacks ("thread (tid): name;frame;frame... count" per line) -> per-thread sample shares and the
-    `top` (thread, function) pairs by inclusive samples."""
+def summarise_stacks(raw: str, possible_samples: float, top: int = 40) -> dict:
+    """py-spy raw stacks ("thread (tid): name;frame;frame... count" per line) -> per-thread sample shares and, per
+    thread with 5% of the samples or more, its `top` functions by inclusive samples."""
     by_thread: dict[str, int] = {}
     inclusive: dict[tuple[str, str], int] = {}
     for line in raw.splitlines():
@@ -120,10 +124,12 @@ def summarise_stacks(raw: str, possible_samples: float, top: int = 60) -> dict:
         for fn in {re.sub(r":\d+\)$", ")", f) for f in frames[1:]}:
             inclusive[(thread, fn)] = inclusive.get((thread, fn), 0) + int(count)
     total = sum(by_thread.values())
-    ranked = sorted(inclusive.items(), key=lambda kv: -kv[1])[:top]
+    ranked = sorted(inclusive.items(), key=lambda kv: -kv[1])
+    major = [t for t, n in by_thread.items() if n >= 0.05 * total]
     return {"gil_busy_fraction": total / possible_samples if possible_samples else None, "samples": total,
             "by_thread": {t: n / max(total, 1) for t, n in sorted(by_thread.items(), key=lambda kv: -kv[1])},
-            "top_inclusive": [{"thread": t, "function": f, "share": n / max(total, 1)} for (t, f), n in ranked]}
+            "top_inclusive": {t: [{"function": f, "share_of_thread": n / by_thread[t]}
+                                  for (th, f), n in ranked if th == t][:top] for t in major}}
 
 
 def main() -> None:
@@ -144,6 +150,9 @@ def main() -> None:
     ap.add_argument("--profile-concurrency", type=int, default=None,
                     help="after the sweeps, one more 1k/1k level at this concurrency with py-spy sampling the "
                          "server's threads while they hold the GIL (who sets the pace of a host-bound step)")
+    ap.add_argument("--profile-mode", default="gil", choices=("gil", "native"),
+                    help="gil: sample only while a thread holds the GIL (who holds it, and how busy it is); "
+                         "native: every thread all the time, idle and native frames too (where the rest goes)")
     ap.add_argument("--bare-from", default=None,
                     help="the bare step records of an earlier run on this machine (same model and format), "
                          "instead of measuring them again")
@@ -185,7 +194,8 @@ def main() -> None:
                        "--output-len", str(osl), "--concurrency", str(args.profile_concurrency),
                        "--prompts-per-concurrency", "1", "--warmups-per-concurrency", "0.25",
                        "--result-dir", str(result_dir), "--tag", tag, "--no-plot"]
-                gil_profile(proc.pid, cmd, env, result_dir / f"{tag}-gil.txt")
+                gil_profile(proc.pid, cmd, env, result_dir / f"{tag}-{args.profile_mode}.txt",
+                            mode=args.profile_mode)
         finally:
             proc.send_signal(signal.SIGTERM)
             try:

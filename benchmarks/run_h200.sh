@@ -95,10 +95,10 @@ for what in "$@"; do
       timeout "${SERVE_TIMEOUT:-560}" python3 benchmarks/bench_serve_gpu.py --model "${MODEL:-m3-slice}" \
         --moe-format "$fmt" --gpu-name "$gpu" \
         ${SERVE_SWEEPS:---sweep 1024x1024:1,8,32,64,128 --sweep 8192x1024:8,32} \
-        --prompts-per-concurrency "${SERVE_PROMPTS:-2}" --warmups-per-concurrency 0.25 --result-dir "/tmp/serve-$fmt" \
-        ${BARE_FROM:+--bare-from "$BARE_FROM"} ${PROFILE_C:+--profile-concurrency "$PROFILE_C"} \
+        --prompts-per-concurrency "${SERVE_PROMPTS:-2}" --warmups-per-concurrency 0.25 --result-dir "/tmp/serve-$gpu-$fmt" \
+        ${BARE_FROM:+--bare-from "$BARE_FROM"} ${PROFILE_C:+--profile-concurrency "$PROFILE_C" --profile-mode "${PROFILE_MODE:-gil}"} \
         --out "$OUT/serve-$gpu-$fmt.json"
-      tar czf "$OUT/serve-$fmt.tgz" -C /tmp "serve-$fmt"
+      tar czf "$OUT/serve-$gpu-$fmt.tgz" -C /tmp "serve-$gpu-$fmt"
       ;;
     next)
       STEP_BATCHES=128 STEP_TIMEOUT=120 SERVE_SWEEPS="--sweep 1024x1024:1,128" SERVE_PROMPTS=1 SERVE_TIMEOUT=220 \

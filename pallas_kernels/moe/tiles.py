@@ -226,18 +226,21 @@ def pick_tiles(num_tokens: int, fmt: str, *, interpret: bool = False) -> MoeTile
 
 
 def invariant_tiles(fmt: str, num_tokens: int, *, interpret: bool = False) -> MoeTiles:
-    """The batch-invariant tiles (KernelChoice.batch_invariant) for a call of `num_tokens` rows: the decode entry up
-    to DECODE_MAX_T and the mid entry above it (prefill's K step differs), without split K or a shard fill.
+    """The batch-invariant tiles (KernelChoice.batch_invariant) for a call of `num_tokens` rows: the table's entry
+    for that count without split K or a shard fill; where that entry widens MX weights in 64-row pieces (MXFP8
+    prefill) or runs another backend, the mid entry instead.
 
-    A row's bits must not depend on what the step holds. The decode and mid entries run each output element over
-    the same K steps, N tile, warps and MX widening and differ only in block height (and the mid entry's shorter
-    tail blocks). Triton folds `acc + dot(x, w)` into MMAs that accumulate into acc, so an element's sum is the same
-    sequence of 16-deep MMA steps whatever the block's height; benchmarks/check_moe_invariance.py checks the rows
-    bit for bit on the device. One tile set for every T (the mid entry, as before) cost the decode step 23% at
-    batch 32 on the H200: 64-row blocks where decode needs 16."""
+    A row's bits must not depend on what the step holds. Triton folds `acc + dot(x, w)` into MMAs that accumulate
+    into acc, so an element's sum is the same sequence of 16-deep MMA steps whatever the block height, N tile or K
+    step. On the H100 every bf16 and MXFP8 table entry gives a row the same bits, bf16 prefill included, but MXFP8
+    prefill, whose 64-row MX pieces regroup the sum (benchmarks/check_moe_invariance.py,
+    results/moe-invariance-h100-16844d1.json). One tile set for every T (the mid entry, as before) cost the decode
+    step 23% at batch 32 on the H200: 64-row blocks where decode needs 16."""
     if interpret:
         return INTERPRET_TILES
-    tiles = pick_tiles(min(max(num_tokens, 2), MID_MAX_T), fmt)  # 2: one token's split down is not invariant
+    tiles = pick_tiles(max(num_tokens, 2), fmt)  # 2: one token's split down is not invariant
+    if tiles.mx_rows != 32 or tiles.backend != "triton":
+        tiles = pick_tiles(MID_MAX_T, fmt)
     return tiles.replace(regime="invariant", gu=dataclasses.replace(tiles.gu, split=1),
                          dn=dataclasses.replace(tiles.dn, split=1))
 

@@ -19,7 +19,8 @@
 #   projection  one GPU of a TP8 / EP8 deployment with MXFP8 experts, the small-M linears, the projection (issue 23)
 #   serve     the benchmark contract through `m3jax serve` + `m3jax bench serve`, with the bare step beside it
 #             (issue 27; SERVE_FORMAT=bf16|mxfp8, prompt counts reduced to fit one call; SERVE_SWEEPS and
-#             SERVE_PROMPTS trim it further; BARE_FROM reuses an earlier run's bare step records)
+#             SERVE_PROMPTS trim it further; BARE_FROM reuses an earlier run's bare step records; SERVER_ARGS: more
+#             `m3jax serve` flags, e.g. --no-gpu-command-buffers)
 #   next      the reruns the last session could not make, in one call (~5 min): the engine step at batch 128,
 #             the served 1k/1k at concurrency 1 and 128 (bf16, the bare step reused from BARE_FROM) and a c128
 #             level with py-spy on the server's GIL (PROFILE_C; needs py-spy's wheel in .whl/), the cond probe
@@ -96,7 +97,7 @@ for what in "$@"; do
         --moe-format "$fmt" --gpu-name "$gpu" \
         ${SERVE_SWEEPS:---sweep 1024x1024:1,8,32,64,128 --sweep 8192x1024:8,32} \
         --prompts-per-concurrency "${SERVE_PROMPTS:-2}" --warmups-per-concurrency 0.25 --result-dir "/tmp/serve-$gpu-$fmt" \
-        ${BARE_FROM:+--bare-from "$BARE_FROM"} ${PROFILE_C:+--profile-concurrency "$PROFILE_C" --profile-mode "${PROFILE_MODE:-gil}"} \
+        ${SERVER_ARGS:+--server-args "$SERVER_ARGS"} ${BARE_FROM:+--bare-from "$BARE_FROM"} ${PROFILE_C:+--profile-concurrency "$PROFILE_C" --profile-mode "${PROFILE_MODE:-gil}"} \
         --out "$OUT/serve-$gpu-$fmt.json"
       tar czf "$OUT/serve-$gpu-$fmt.tgz" -C /tmp "serve-$gpu-$fmt"
       ;;

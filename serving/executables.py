@@ -3,7 +3,7 @@
 JAX's persistent compilation cache skips only XLA's compile: tracing and lowering a 60-layer step still cost
 tens of seconds per shape. Here the whole compiled executable is serialized (`jax.experimental.
 serialize_executable`) under a key of everything that shapes it: the model config, the kernel choice, dtype,
-sharding, the step's shapes, the jax / jaxlib versions, the devices, and a hash of the source files that
+sharding, the step's shapes, the jax / jaxlib versions, the devices, XLA_FLAGS, and a hash of the source files that
 define the step (m3jax, pallas_kernels, serving). Any difference is another key; a file that fails to load is
 recompiled and replaced. JAX's own persistent cache sits beside it (`xla/`) for everything else start-up
 compiles (weight preparation, random presets, pools) and as a fallback for the step; an executable that XLA:CPU
@@ -79,7 +79,7 @@ class ExecutableCache:
         devices = jax.devices()
         h = hashlib.sha256()
         for part in (*parts, jax.__version__, jax.lib.__version__, devices[0].platform, devices[0].device_kind,
-                     len(devices), source_hash()):
+                     len(devices), os.environ.get("XLA_FLAGS", ""), source_hash()):
             h.update(repr(part).encode())
             h.update(b"\0")
         return h.hexdigest()[:32]

@@ -7,8 +7,8 @@ Everything else derives from it:
 - the engine, the model loader, the kernel dispatch and the servers read the fields they need.
 
 Environment variables only set defaults, read once when a `Settings` is built: M3JAX_ATTENTION_IMPL and
-M3JAX_MOE_IMPL (kernel choice), M3JAX_COMPILATION_CACHE (cache directory), M3JAX_GPU_COMMAND_BUFFERS (0 / 1),
-M3JAX_API_KEY, M3JAX_LOG_FORMAT, M3JAX_NO_PROGRESS.
+M3JAX_MOE_IMPL (kernel choice), M3JAX_COMPILATION_CACHE (cache directory), M3JAX_API_KEY, M3JAX_LOG_FORMAT,
+M3JAX_NO_PROGRESS.
 """
 
 from __future__ import annotations
@@ -37,8 +37,6 @@ GROUP_TITLES = {MODEL: "model", ENGINE: "engine", KERNELS: "kernels", SERVER: "s
 
 def _env(name: str, default: Any = None) -> Any:
     value = os.environ.get(name, "").strip()
-    if value and isinstance(default, bool):
-        return value.lower() in ("1", "true", "yes", "on")
     return value if value else default
 
 
@@ -90,8 +88,7 @@ class Settings:
                                      "and loops inside them (command buffers), so dispatch returns before the "
                                      "device reaches a lax.cond (without: XLA reads the predicate back on the host, "
                                      "and the host waits for the device); applied when the engine is the first "
-                                     "to start JAX, unless XLA_FLAGS sets command buffers itself", ENGINE,
-                                     env="M3JAX_GPU_COMMAND_BUFFERS")
+                                     "to start JAX, unless XLA_FLAGS sets command buffers itself", ENGINE)
     warmup: bool = knob(True, "compile every step shape at start-up, so serving never compiles", ENGINE)
     enable_prompt_logprobs: bool = knob(False, "serve requests that ask for prompt_logprobs (and echo with "
                                         "logprobs): one more step executable per token bucket, compiled at "

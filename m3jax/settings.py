@@ -26,12 +26,6 @@ from pallas_kernels.choice import CHOICES as KERNEL_CHOICES
 from pallas_kernels.choice import KernelChoice
 
 MODEL, ENGINE, KERNELS, SERVER = "model", "engine", "kernels", "server"
-# XLA's default command buffer types plus conditionals and while loops, and graphs of any size: a step's
-# lax.cond (block-sparse prefill's kernel choice, the general sampling's optional parts) then runs inside the CUDA
-# graph instead of as a host-side branch whose predicate the host must read back, which makes dispatch wait for
-# the device (benchmarks/probe_cond_dispatch.py: 23.5 ms of a 24 ms graph on the H100, 0.5 ms with these).
-COMMAND_BUFFER_FLAGS = ("--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE "
-                        "--xla_gpu_graph_min_graph_size=1")
 GROUP_TITLES = {MODEL: "model", ENGINE: "engine", KERNELS: "kernels", SERVER: "server"}
 
 
@@ -84,11 +78,6 @@ class Settings:
         None, 'speculative decoding, as vLLM\'s JSON: {"method": "eagle3", "model": DRAFT_DIR, '
         '"num_speculative_tokens": K}; without "model", the EAGLE-3 draft shipped for the embedded tiny model',
         ENGINE, metavar="JSON")
-    gpu_command_buffers: bool = knob(True, "on GPUs, XLA runs a step's kernels as CUDA graphs with its conditionals "
-                                     "and loops inside them (command buffers), so dispatch returns before the "
-                                     "device reaches a lax.cond (without: XLA reads the predicate back on the host, "
-                                     "and the host waits for the device); applied when the engine is the first "
-                                     "to start JAX, unless XLA_FLAGS sets command buffers itself", ENGINE)
     warmup: bool = knob(True, "compile every step shape at start-up, so serving never compiles", ENGINE)
     enable_prompt_logprobs: bool = knob(False, "serve requests that ask for prompt_logprobs (and echo with "
                                         "logprobs): one more step executable per token bucket, compiled at "
@@ -181,18 +170,13 @@ class Settings:
 
         return "bfloat16" if jax.default_backend() == "gpu" else "float32"
 
-    def apply_backend_options(self) -> None:
-        """JAX reads its GPU memory fraction and XLA its flags once, when the first backend starts: set them before
-        that (a no-op once JAX is running, e.g. in a notebook that used it already). XLA_FLAGS that already name
-        command buffers win over `gpu_command_buffers`."""
+    def apply_memory_fraction(self) -> None:
+        """JAX reads its GPU memory fraction once, when its first backend starts: set it before that (a no-op
+        once JAX is running, e.g. in a notebook that used it already)."""
         from jax._src import xla_bridge
 
-        if xla_bridge.backends_are_initialized():
-            return
-        os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = str(self.gpu_memory_fraction)
-        flags = os.environ.get("XLA_FLAGS", "")
-        if self.gpu_command_buffers and "xla_gpu_enable_command_buffer" not in flags:
-            os.environ["XLA_FLAGS"] = f"{flags} {COMMAND_BUFFER_FLAGS}".strip()
+        if not xla_bridge.backends_are_initialized():
+            os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = str(self.gpu_memory_fraction)
 
     def kernel_choice(self) -> KernelChoice:
         """The static kernel choice of the forward, resolved for this backend and device count."""

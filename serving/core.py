@@ -126,7 +126,7 @@ class _Client:
 class EngineCore:
     def __init__(self, settings: Settings, model: M3Model | None = None, tokenizer: M3Tokenizer | None = None):
         self.settings = settings
-        settings.apply_backend_options()
+        settings.apply_memory_fraction()
         cache_dir = None
         if settings.enable_compilation_cache and settings.compilation_cache_dir:
             cache_dir = Path(settings.compilation_cache_dir).expanduser()

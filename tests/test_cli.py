@@ -2,17 +2,13 @@
 user's flag) before anything loads, and `generate` with sampling flags. In-process: `cli.main(argv)`."""
 
 import argparse
-import os
 import socket
-import subprocess
-import sys
 import time
 
 import pytest
 from serving_helpers import ENGINE_ARGS
 
 from m3jax import cli
-from m3jax.settings import COMMAND_BUFFER_FLAGS
 
 
 def _subparsers(parser):
@@ -102,18 +98,3 @@ def test_generate_samples_and_refuses_what_does_not_fit(capsys, tmp_path):
     assert cli.main([*argv, "--stop", stop]) == 0
     stopped = capsys.readouterr()
     assert stopped.out == text[:text.index(stop)] + "\n" and "finish reason: stop" in stopped.err
-
-
-@pytest.mark.parametrize("env_flags, kwargs, want", [
-    ("", {}, COMMAND_BUFFER_FLAGS),
-    ("--xla_dump_to=/tmp/x", {}, f"--xla_dump_to=/tmp/x {COMMAND_BUFFER_FLAGS}"),
-    ("--xla_gpu_enable_command_buffer=", {}, "--xla_gpu_enable_command_buffer="),  # the operator's own choice wins
-    ("", {"gpu_command_buffers": False}, ""),
-])
-def test_command_buffer_flags_are_set_before_jax_starts(env_flags, kwargs, want):
-    """`gpu_command_buffers` reaches XLA_FLAGS only in a process whose backends have not started (a fresh one)."""
-    code = ("import os; from m3jax.settings import Settings; "
-            f"Settings(**{kwargs!r}).apply_backend_options(); print(repr(os.environ.get('XLA_FLAGS', '')))")
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | ({"XLA_FLAGS": env_flags} if env_flags else {})
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == repr(want)

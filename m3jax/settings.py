@@ -91,10 +91,10 @@ class Settings:
                                   env="M3JAX_ATTENTION_IMPL")
     moe_kernels: str = knob("auto", "the MoE grouped GEMMs and dense MLPs (auto: Pallas on GPUs, on any number of "
                             "them, jnp references elsewhere)", KERNELS, choices=KERNEL_CHOICES, env="M3JAX_MOE_IMPL")
-    batch_invariant: bool = knob(False, "experimental: run every kernel with one tile configuration whatever the "
-                                 "batch (the linears, router and norms' sums through the Pallas linear kernel), so "
-                                 "greedy tokens do not depend on the batch; shown on the CPU, not yet on GPUs, and "
-                                 "slower: docs/benchmarks.md", KERNELS)
+    batch_invariant: bool = knob(False, "greedy tokens that do not depend on the batch, chunking or preemption: "
+                                 "every kernel runs tiles that give a row the same arithmetic whatever the step "
+                                 "holds (the linears, router and norms' sums through the Pallas linear kernel); "
+                                 "shown on H100 and H200, about 13% slower: docs/benchmarks.md", KERNELS)
     # ---- server ----
     host: str = knob("127.0.0.1", "address both servers bind (127.0.0.1: this machine only; 0.0.0.0: every "
                      "interface)", SERVER)

@@ -20,7 +20,7 @@
 #   serve     the benchmark contract through `m3jax serve` + `m3jax bench serve`, with the bare step beside it
 #             (issue 27; SERVE_FORMAT=bf16|mxfp8, prompt counts reduced to fit one call; SERVE_SWEEPS and
 #             SERVE_PROMPTS trim it further; BARE_FROM reuses an earlier run's bare step records; SERVER_ARGS: more
-#             `m3jax serve` flags, e.g. --no-gpu-command-buffers)
+#             `m3jax serve` flags, e.g. --no-async-scheduling)
 #   next      the reruns the last session could not make, in one call (~5 min): the engine step at batch 128,
 #             the served 1k/1k at concurrency 1 and 128 (bf16, the bare step reused from BARE_FROM) and a c128
 #             level with py-spy on the server's GIL (PROFILE_C; needs py-spy's wheel in .whl/), the cond probe

@@ -64,7 +64,7 @@ def main() -> None:
               "prompt_tokens": sum(map(len, prompts)), "output_tokens": n_out, "batch_s": batch_s,
               "output_tok_per_s": n_out / batch_s, "steps": steps, "mean_step_s": batch_s / max(steps, 1),
               "alone_equal": same, "pages_in_use_after": eng.pages_in_use,
-              "no_new_compiles": eng.num_executables == len(eng.runner.token_buckets)}
+              "no_new_compiles": eng.num_executables == len(eng.runner.shapes())}
     print(json.dumps(result), flush=True)
     out = Path(args.out or f"benchmarks/results/engine-{result['device'].replace(' ', '_')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -30,6 +30,7 @@ def measure(core: Any, batch: int, context: int, steps: int) -> dict[str, Any]:
     import jax
 
     from serving.outputs import SamplingParams
+    from serving.runner import InFlight
     from serving.sampling import variant
     from serving.scheduler import ScheduledRow, SchedulerOutput
 
@@ -72,15 +73,16 @@ def measure(core: Any, batch: int, context: int, steps: int) -> dict[str, Any]:
                          list(r.pages), True, r.slot, r.sampling, r.num_prompt, r.num_output)
             for r in core.scheduler.running]
     num_tokens, forward_args, sampling_host, _ = runner.inputs(SchedulerOutput(rows, []))
-    # The sampling executable the engine picks for these rows (greedy: "sample_greedy"), as the engine runs it.
+    # The sampling the engine picks for these rows (greedy: the forward's own output), as the engine runs it.
     how = variant(sampling_host, runner.max_num_seqs, cfg.vocab_size, constrained=False, want_logprobs=False)
     forward_args, sampling = jax.device_put((forward_args, sampling_host))
     fwd = runner.executable("forward", num_tokens)
 
     def bare_step() -> Any:
-        runner.kv, runner.history, logits = fwd(runner.model.params, runner.kv, runner.history, runner.prev_tokens,
-                                                 *forward_args)
-        runner.prev_tokens, out = runner.run_sampling(how, logits, sampling, None)
+        runner.kv, runner.history, logits, greedy_out = fwd(runner.model.params, runner.kv, runner.history,
+                                                             runner.prev_tokens, *forward_args)
+        step = InFlight(SchedulerOutput([], []), [], logits, sampling, False, greedy=greedy_out)
+        runner.prev_tokens, out = runner.run_sampling(how, step, None)
         return out
 
     outs = [bare_step() for _ in range(2)]

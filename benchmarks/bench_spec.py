@@ -72,7 +72,8 @@ def _plain(model: Any, batch: int, context: int, num_pages: int, pages_per_row: 
     constraints = jax.device_put(TokenConstraints.empty(sampling.num_rows, vocab))
 
     def plain_step() -> Any:
-        plain.kv, plain.history, logits = fwd(model.params, plain.kv, plain.history, plain.prev_tokens, *forward_args)
+        plain.kv, plain.history, logits, _ = fwd(model.params, plain.kv, plain.history, plain.prev_tokens,
+                                                 *forward_args)
         plain.prev_tokens, out = smp(logits, plain.history, sampling, constraints)
         return out.tokens
 

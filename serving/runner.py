@@ -1,17 +1,19 @@
 """The model executor: the only code that builds device arrays and calls the compiled step.
 
-A `SchedulerOutput` becomes a padded `Batch`; sampling parameters become `SamplingTensors`. A step is two
-compiled calls: the forward (page pool and penalty history donated) returns logits; sampling (biases, a
-grammar's allowed tokens, penalties, filters, the draw) returns tokens. Only token ids (and logprobs when
-asked) come back to the host, as a `ModelRunnerOutput`.
+A `SchedulerOutput` becomes a padded `Batch`; sampling parameters become `SamplingTensors`. A step is one or two
+compiled calls: the forward (page pool and penalty history donated) returns logits and their greedy tokens; a
+step whose rows are all plainly greedy stops there, any other runs a sampling executable (biases, a grammar's
+allowed tokens, penalties, filters, the draw) on the logits. Only token ids (and logprobs when asked) come back to
+the host, as a `ModelRunnerOutput`. The greedy tokens ride on the forward because every dispatch costs the host
+time (about a millisecond for a forward on the H100), and at small batches the host sets a step's pace.
 
-Two calls rather than one so that a grammar's token mask, which needs the previous step's token on the host,
+Sampling as a call of its own so that a grammar's token mask, which needs the previous step's token on the host,
 is computed while the device runs the forward: `launch` dispatches the forward and, unless told to wait for
 constraints, the sampling; `sample` dispatches a deferred sampling; `collect` waits for the tokens.
 
-Shapes: one forward executable per token bucket and four sampling executables per row count (the general one, and
-three without a conditional for steps with no penalty, bias or grammar: all greedy, drawing, filtering; chosen on
-the host by `sampling.variant`). The token count of a
+Shapes: one forward executable per token bucket and three sampling executables per row count (the general one, and
+two without a conditional for steps with no penalty, bias or grammar: drawing, filtering; chosen on the host by
+`sampling.variant`, whose third plain variant, all greedy, is the forward's own output). The token count of a
 step is padded to the next bucket (powers of two from 8 up to `max_num_batched_tokens`) and its rows to
 min(bucket, max_num_seqs), the most rows that many tokens can hold, so the row count never multiplies the
 executables. The page table is always `max_model_len / page_size` wide (attention shapes never depend on the
@@ -48,6 +50,7 @@ from serving.executables import ExecutableCache, xla_cache_hits
 from serving.outputs import MAX_LOGPROBS
 from serving.request import PLACEHOLDER
 from serving.sampling import (
+    GREEDY_VARIANT,
     PLAIN_VARIANTS,
     HistoryRows,
     PenaltyHistory,
@@ -101,6 +104,8 @@ class InFlight:
     logits: jax.Array  # [rows, V] of the forward
     sampling: SamplingTensors  # host arrays
     want_logprobs: bool
+    # The forward's greedy sampling of `logits`, (next prev_tokens, output): a plainly greedy step's result.
+    greedy: tuple[jax.Array, SampleOutput] | None = None
     out: SampleOutput | None = None  # set once sampling is dispatched
     spec: SpecOutput | None = None  # a speculative step's outputs (then `out` stays None)
     sampled_index: list[int] = dataclasses.field(default_factory=list)  # each sampled row's request row
@@ -142,9 +147,11 @@ class Draft:
 
 def _forward(params: Any, kv: KVPages, history: PenaltyHistory, prev_tokens: jax.Array, batch: Batch,
              prev_index: jax.Array, history_rows: HistoryRows, targets: jax.Array | None = None, *, cfg: Any,
-             kernels: KernelChoice, logits_sharding: Any = None) -> tuple[Any, ...]:
-    """The step's forward. With `targets` (i32[T], each token's next prompt token or -1), the "forward_plp"
-    executable: also every token's prompt logprobs."""
+             kernels: KernelChoice, logits_sharding: Any = None, max_logprobs: int,
+             num_prev: int) -> tuple[Any, ...]:
+    """The step's forward: (pages, history, logits, the greedy sampling of the logits as "sample_greedy" would
+    give it). With `targets` (i32[T], each token's next prompt token or -1), the "forward_plp" executable: also
+    every token's prompt logprobs."""
     # Placeholders: tokens the previous step sampled, taken from its device output.
     token_ids = jnp.where(prev_index >= 0, prev_tokens[jnp.maximum(prev_index, 0)], batch.token_ids)
     batch = dataclasses.replace(batch, token_ids=token_ids)
@@ -153,9 +160,10 @@ def _forward(params: Any, kv: KVPages, history: PenaltyHistory, prev_tokens: jax
     out = forward(params, cfg, kv, batch, kernels, all_hidden=targets is not None)
     # Under TP the lm_head's output is split over the vocabulary: the sampling executable takes it whole.
     logits = out.logits if logits_sharding is None else jax.lax.with_sharding_constraint(out.logits, logits_sharding)
+    greedy_out = _sample_greedy(logits, max_logprobs=max_logprobs, num_prev=num_prev)
     if targets is None:
-        return out.kv, history, logits
-    return out.kv, history, logits, prompt_logprobs(out.hidden, params["lm_head"], targets, MAX_LOGPROBS)
+        return out.kv, history, logits, greedy_out
+    return out.kv, history, logits, greedy_out, prompt_logprobs(out.hidden, params["lm_head"], targets, MAX_LOGPROBS)
 
 
 def _sample(logits: jax.Array, history: PenaltyHistory, sampling: SamplingTensors, constraints: TokenConstraints,
@@ -164,7 +172,8 @@ def _sample(logits: jax.Array, history: PenaltyHistory, sampling: SamplingTensor
 
 
 def _sample_greedy(logits: jax.Array, *, max_logprobs: int, num_prev: int) -> tuple[jax.Array, SampleOutput]:
-    """The "sample_greedy" executable: a step whose rows are all plainly greedy (`sampling.variant`)."""
+    """The "sample_greedy" variant (`sampling.variant`: every row plainly greedy), computed inside every forward:
+    an argmax over the logits costs the device microseconds, a dispatch of its own the host far more."""
     return _with_next_prev(greedy(logits, max_logprobs), num_prev)
 
 
@@ -195,11 +204,10 @@ class ModelRunner:
         self.cache = ExecutableCache(cache_dir) if cache_dir is not None else None
         self._fns = {
             "forward": jax.jit(functools.partial(_forward, cfg=self.cfg, kernels=model.kernels,
-                                                 logits_sharding=model.rules.replicated()), donate_argnums=(1, 2),
-                               compiler_options=model.kernels.compiler_options),
+                                                 logits_sharding=model.rules.replicated(),
+                                                 max_logprobs=MAX_LOGPROBS, num_prev=max_num_seqs),
+                               donate_argnums=(1, 2), compiler_options=model.kernels.compiler_options),
             "sample": jax.jit(functools.partial(_sample, max_logprobs=MAX_LOGPROBS, num_prev=max_num_seqs)),
-            "sample_greedy": jax.jit(functools.partial(_sample_greedy, max_logprobs=MAX_LOGPROBS,
-                                                       num_prev=max_num_seqs)),
             **{f"sample_{how}": jax.jit(functools.partial(_sample_plain, filtered=how == "filter",
                                                           max_logprobs=MAX_LOGPROBS, num_prev=max_num_seqs))
                for how in ("draw", "filter")},
@@ -264,8 +272,6 @@ class ModelRunner:
             if what == "forward_plp":
                 host = (*host, np.full(size, -1, np.int32))
             device = (self.model.params, self.kv, self.history, self.prev_tokens)
-        elif what == "sample_greedy":
-            host, device = (), (jax.ShapeDtypeStruct((size, V), jnp.float32, sharding=replicated),)
         elif what in ("sample_draw", "sample_filter"):
             host = (SamplingTensors.build([], [], size, num_slots=self.max_num_seqs),)
             device = (jax.ShapeDtypeStruct((size, V), jnp.float32, sharding=replicated),)
@@ -331,13 +337,13 @@ class ModelRunner:
 
     def shapes(self) -> list[tuple[str, int]]:
         """Every executable serving can need: a forward per token bucket, and per row count the general sampling
-        and the three plain ones (`sampling.PLAIN_VARIANTS`)."""
+        and the plain ones (`sampling.PLAIN_VARIANTS` but greedy, which the forward computes)."""
         if self.draft is not None:
             return [("spec", t) for t in self.token_buckets]
         rows = sorted({self.rows_for(t) for t in self.token_buckets})
         plp = [("forward_plp", t) for t in self.token_buckets] if self.enable_prompt_logprobs else []
         return ([("forward", t) for t in self.token_buckets] + plp + [("sample", r) for r in rows]
-                + [(v, r) for v in PLAIN_VARIANTS for r in rows])
+                + [(v, r) for v in PLAIN_VARIANTS if v != GREEDY_VARIANT for r in rows])
 
     @property
     def num_executables(self) -> int:
@@ -422,10 +428,11 @@ class ModelRunner:
         prompt = None
         try:
             if spans:
-                self.kv, self.history, logits, prompt = self.executable("forward_plp", num_tokens)(
+                exe = self.executable("forward_plp", num_tokens)
+                self.kv, self.history, logits, greedy_out, prompt = exe(
                     self.model.params, self.kv, self.history, self.prev_tokens, *forward_args, targets)
             else:
-                self.kv, self.history, logits = self.executable("forward", num_tokens)(
+                self.kv, self.history, logits, greedy_out = self.executable("forward", num_tokens)(
                     self.model.params, self.kv, self.history, self.prev_tokens, *forward_args)
         except Exception as e:
             self._reset_state()
@@ -434,7 +441,8 @@ class ModelRunner:
         seqs = [r.seq for r in sampled_rows]
         self._prev_index = dict(zip(seqs, sampled_index, strict=True))
         want = any(getattr(r.sampling, "logprobs", None) is not None for r in sampled_rows)
-        step = InFlight(scheduled, seqs, logits, sampling, want, prompt=prompt, prompt_spans=spans)
+        step = InFlight(scheduled, seqs, logits, sampling, want, greedy=greedy_out, prompt=prompt,
+                        prompt_spans=spans)
         if not defer_sampling:
             self.sample(step, constraints)
         return step
@@ -444,19 +452,21 @@ class ModelRunner:
         try:
             how = variant(step.sampling, self.max_num_seqs, self.cfg.vocab_size, constrained=constraints is not None,
                           want_logprobs=step.want_logprobs)
-            self.prev_tokens, step.out = self.run_sampling(how, step.logits, step.sampling, constraints)
+            self.prev_tokens, step.out = self.run_sampling(how, step, constraints)
         except Exception as e:
             self._reset_state()
             raise StepFailed(f"step failed: {e}") from e
 
-    def run_sampling(self, how: str, logits: jax.Array, sampling: SamplingTensors,
+    def run_sampling(self, how: str, step: InFlight,
                      constraints: TokenConstraints | None) -> tuple[jax.Array, SampleOutput]:
-        """Dispatch sampling executable `how` (`sampling.variant`) on a step's logits: (the next step's
-        `prev_tokens`, the sampled output). Each takes only what it reads."""
+        """Sampling variant `how` (`sampling.variant`) of a launched step: (the next step's `prev_tokens`, the
+        sampled output). Greedy is the forward's own output; the others dispatch their executable, each with only
+        what it reads."""
+        if how == GREEDY_VARIANT:
+            return step.greedy
+        logits, sampling = step.logits, step.sampling
         rows = sampling.num_rows
         exe = self.executable(how, rows)
-        if how == "sample_greedy":
-            return exe(logits)
         if how != "sample":
             return exe(logits, sampling)
         return exe(logits, self.history, sampling,

@@ -473,9 +473,10 @@ def greedy(logits: jax.Array, max_logprobs: int) -> SampleOutput:
                         jnp.zeros((L, max_logprobs), jnp.float32))
 
 
-# The sampling executables of a plain step (no penalty, bias or grammar), by what its rows need; each gives the
-# tokens `sample` gives, without its conditionals. Anything else takes the general "sample".
-PLAIN_VARIANTS = ("sample_greedy", "sample_draw", "sample_filter")
+# The samplings of a plain step (no penalty, bias or grammar), by what its rows need; each gives the tokens `sample`
+# gives, without its conditionals. Anything else takes the general "sample".
+GREEDY_VARIANT = "sample_greedy"  # computed inside the forward executable (serving/runner.py), not on its own
+PLAIN_VARIANTS = (GREEDY_VARIANT, "sample_draw", "sample_filter")
 
 
 def variant(t: SamplingTensors, num_slots: int, vocab_size: int, *, constrained: bool, want_logprobs: bool) -> str:
@@ -487,7 +488,7 @@ def variant(t: SamplingTensors, num_slots: int, vocab_size: int, *, constrained:
         return "sample"
     sampled = np.asarray(t.temperature) > GREEDY_EPS
     if not sampled.any():
-        return "sample_draw" if want_logprobs else "sample_greedy"
+        return "sample_draw" if want_logprobs else GREEDY_VARIANT
     return "sample_filter" if (sampled & filters(t, vocab_size)).any() else "sample_draw"
 
 

@@ -69,11 +69,11 @@ def test_every_request_after_warmup_runs_without_compiling(llm):
     """One executable per token bucket, all made at start-up; then every SamplingParams feature, long
     penalty histories, preemption and aborts run without a single compile."""
     core = llm.core
-    # A forward per token bucket (8, 16, 32) and four samplings per row count (8 rows for all three): the general
-    # one and the three plain ones (greedy, draw, filter).
+    # A forward per token bucket (8, 16, 32; each also gives its greedy tokens) and three samplings per row count
+    # (8 rows for all three): the general one and the two plain ones that draw (draw, filter).
     assert core.runner.shapes() == [("forward", 8), ("forward", 16), ("forward", 32), ("sample", 8),
-                                    ("sample_greedy", 8), ("sample_draw", 8), ("sample_filter", 8)]
-    assert core.num_executables == 7
+                                    ("sample_draw", 8), ("sample_filter", 8)]
+    assert core.num_executables == 6
     features = [
         SamplingParams(temperature=0.0, max_tokens=20),
         SamplingParams(temperature=0.8, top_p=0.9, top_k=20, min_p=0.05, seed=3, max_tokens=20),
@@ -95,7 +95,7 @@ def test_every_request_after_warmup_runs_without_compiling(llm):
             break  # aborted after its first token
         _wait_idle(core)
     assert compiles == [], "serving must not compile"
-    assert core.num_executables == 7
+    assert core.num_executables == 6
     assert core.stats["preemptions"] > 0
     k = len(features)
     seeded = [i for i in range(k) if i != 2]  # the unseeded request draws differently each time
@@ -130,7 +130,7 @@ def test_exact_under_batching_chunking_and_preemption(llm, async_scheduling):
     assert got == alone
     assert [results[i].outputs[0].finish_reason for i in ids] == alone_reasons
     assert core.pages_in_use == 0 and core.num_running == 0 and core.num_waiting == 0
-    assert core.num_executables == 7
+    assert core.num_executables == 6
 
 
 def test_exact_at_odd_sizes():
@@ -354,13 +354,13 @@ def test_restart_loads_compiled_steps_from_disk(tmp_path):
     settings = dict(model="m3-tiny", dtype="float32", max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16,
                     progress=False, compilation_cache_dir=str(tmp_path))
     first = EngineCore(Settings(**settings))
-    assert [e["how"] for e in first.runner.compile_log] == ["compiled"] * 6  # 2 forwards, 4 samplings
+    assert [e["how"] for e in first.runner.compile_log] == ["compiled"] * 5  # 2 forwards, 3 samplings
     with count_compiles() as compiles:
         second = EngineCore(Settings(**settings))
-    assert [e["how"] for e in second.runner.compile_log] == ["loaded"] * 6
+    assert [e["how"] for e in second.runner.compile_log] == ["loaded"] * 5
     assert compiles and not [c for c in compiles if "_step" in c["fun_name"]]  # only start-up helpers compile
     other = EngineCore(Settings(**{**settings, "max_num_seqs": 3}))  # another shape: another key
-    assert [e["how"] for e in other.runner.compile_log] == ["compiled"] * 6
+    assert [e["how"] for e in other.runner.compile_log] == ["compiled"] * 5
     tokens = []
     for core in (first, second):
         req, _ = core.prepare([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=5))

@@ -68,11 +68,10 @@ def bare_at(bare: dict[int, float], rows: float) -> float:
 def _py_spy() -> str | None:
     """py-spy's binary: on PATH, or in a `bin/` beside a PYTHONPATH entry (a `pip install --target` of its wheel)."""
     found = shutil.which("py-spy")
-    for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep):
-        candidate = Path(entry) / "bin" / "py-spy"
-        if not found and entry and candidate.exists():
-            found = str(candidate)
-    return found
+    if found:
+        return found
+    candidates = (Path(e) / "bin" / "py-spy" for e in os.environ.get("PYTHONPATH", "").split(os.pathsep) if e)
+    return next((str(c) for c in candidates if c.exists()), None)
 
 
 def gil_profile(pid: int, cmd: list[str], env: dict, raw_path: Path, rate: int = 250,

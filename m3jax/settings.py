@@ -121,6 +121,9 @@ class Settings:
     tool_call_parser: str = knob("minimax_m3", "parse M3's tool-call blocks in chat replies into tool_calls (none: "
                                  "`tools` are only rendered into the prompt, and a tool_choice other than none "
                                  "is refused)", SERVER, choices=("minimax_m3", "none"))
+    engine_process: bool = knob(True, "run the engine core in a process of its own, as vLLM does: the servers' "
+                                "event loop and the engine's step thread then hold a GIL each (at high "
+                                "concurrency, sharing one made the host set the pace of a step)", SERVER)
     throughput_log_interval: float = knob(10.0, "seconds between throughput log lines while serving (tokens/s, "
                                           "running and waiting requests, KV cache use; 0: none)", SERVER,
                                           metavar="SECONDS")

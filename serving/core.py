@@ -25,7 +25,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from m3jax.api import M3Model, embedded_model_path, load_model
 from m3jax.batch import KVPages
@@ -66,12 +66,19 @@ def load(settings: Settings) -> tuple[M3Model, M3Tokenizer | None]:
     model = load_model(path, dtype=dtype, tensor_parallel_size=settings.tensor_parallel_size,
                        expert_parallel=settings.expert_parallel, moe_weight_format=settings.moe_weight_format,
                        kernels=kernels)
+    return model, load_tokenizer(settings)
+
+
+def load_tokenizer(settings: Settings) -> M3Tokenizer | None:
+    """The checkpoint's tokenizer (None for a preset, or a checkpoint without tokenizer.json)."""
+    if settings.model in PRESETS:
+        return None
+    path = Path(settings.model) if settings.model is not None else embedded_model_path()
     try:
-        tokenizer = M3Tokenizer.from_dir(path)
+        return M3Tokenizer.from_dir(path)
     except TokenizerMissing:
         log.warning("%s has no tokenizer.json: only token-id prompts can be served", path)
-        tokenizer = None
-    return model, tokenizer
+        return None
 
 
 def load_draft(settings: Settings, model: M3Model) -> Draft | None:
@@ -100,6 +107,13 @@ def load_draft(settings: Settings, model: M3Model) -> Draft | None:
     return Draft(dcfg, jax.device_put(host, model.rules.replicated()), spec.num_speculative_tokens)
 
 
+def _device_description(num: int = 1) -> str:
+    import jax
+
+    d = jax.devices()[0]
+    return f"{num} x {d.device_kind}" if d.platform != "cpu" else f"{num} x cpu"
+
+
 def model_len(settings: Settings, limit: int) -> int:
     """The engine's model length: --max-model-len, or the model's limit capped at 4096; above the limit is an
     error, not a silent clamp."""
@@ -107,6 +121,164 @@ def model_len(settings: Settings, limit: int) -> int:
         raise ValueError(f"--max-model-len {settings.max_model_len} is above this model's limit of {limit} "
                          "tokens (max_position_embeddings)")
     return settings.max_model_len or min(limit, 4096)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineFacts:
+    """What a client of the core needs to know about it, fixed once the engine is built. Plain values: they
+    cross to a front end in another process (`serving.engine_process`)."""
+
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: frozenset[int]
+    num_speculative_tokens: int
+    enable_prompt_logprobs: bool
+    page_size: int
+    num_pages: int
+    num_executables: int
+    warmup_seconds: float
+    dtype: str
+    device: str
+    tensor_parallel_size: int
+
+
+class OutputDelta(NamedTuple):
+    """What one step added to a request's output: a compact client's sink gets these (cheap to send to another
+    process) and keeps the cumulative state itself (`request_output` makes the RequestOutput)."""
+
+    request_id: str  # the core's id ("<parent_id>#<index>" for a choice of n > 1)
+    delta_token_ids: list[int]
+    delta_text: str
+    finish_reason: str | None
+    stop_reason: str | int | None
+    error: str | None
+    rejected: bool
+    metrics: dict[str, float]
+    logprobs: list[Logprob] | None  # compact: the entries this step added
+    prompt_logprobs: list[Logprob | None] | None  # compact: once, with the first token
+
+
+def request_output(delta: OutputDelta, parent_id: str | None, index: int, prompt: str | None,
+                   prompt_ids: list[int], text: str, token_ids: list[int], logprobs: list[Logprob] | None,
+                   prompt_logprobs: list[Logprob | None] | None) -> RequestOutput:
+    """The RequestOutput a client sees: the request's cumulative state (text, ids, logprobs) with a step's
+    delta. The one place its shape is decided, for clients of the core in this process and in another."""
+    return RequestOutput(
+        request_id=parent_id or delta.request_id,
+        prompt=prompt,
+        prompt_token_ids=prompt_ids,
+        outputs=[CompletionOutput(index, text, token_ids, delta.finish_reason, logprobs, delta.stop_reason)],
+        finished=delta.finish_reason is not None,
+        delta_text=delta.delta_text,
+        delta_token_ids=delta.delta_token_ids,
+        error=delta.error,
+        rejected=delta.rejected,
+        metrics=delta.metrics,
+        prompt_logprobs=prompt_logprobs,
+    )
+
+
+@dataclasses.dataclass
+class Prepared:
+    """A request checked and tokenised, not yet admitted: plain values, so that a front end in another process
+    can prepare it and the core's process build its `Request`."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    text: str | None
+    parent_id: str | None = None  # n > 1: the client's id; request_id is then "<parent_id>#<index>"
+    index: int = 0
+
+
+def check_request(facts: EngineFacts, tokenizer: M3Tokenizer | None, rng: random.Random, prompt: Prompt,
+                  params: SamplingParams | None = None, request_id: str | None = None) -> Prepared:
+    """Validate and tokenise a request: ValueError names what is wrong."""
+    params = dataclasses.replace(params) if params is not None else SamplingParams()
+    params.validate()
+    if params.seed is None:
+        # Fixed at admission so that a preempted, recomputed request draws the same tokens again.
+        params.seed = rng.getrandbits(63)
+    text: str | None = None
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError("this model has no tokenizer: send the prompt as token ids")
+        text = prompt
+        try:
+            ids = tokenizer.encode(prompt)
+        except (TypeError, UnicodeError) as e:  # e.g. an unpaired UTF-16 surrogate from a JSON client
+            raise ValueError(f"the prompt is not valid text: {e}") from e
+    else:
+        ids = list(prompt)
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ValueError("a token-id prompt must be a list of integers")
+        bad = [t for t in ids if not 0 <= t < facts.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {facts.vocab_size})")
+    if not ids:
+        raise ValueError("the prompt is empty")
+    max_len = facts.max_model_len
+    if len(ids) >= max_len:
+        raise ValueError(f"the prompt has {len(ids)} tokens; this server's model length is "
+                         f"{max_len} (prompt plus at least one generated token)")
+    if len(ids) + params.max_tokens > max_len:
+        # Refused, not clamped: nothing a client asks for is silently changed (vLLM's servers answer 400).
+        raise ValueError(f"max_tokens {params.max_tokens} is too large: the prompt has {len(ids)} tokens and "
+                         f"the model length is {max_len} ({params.max_tokens} > {max_len} - {len(ids)})")
+    if params.prompt_logprobs is not None:
+        if not facts.enable_prompt_logprobs:
+            raise ValueError("prompt_logprobs: this server computes prompt logprobs (which `echo` with "
+                             "`logprobs` needs too) only when started with --enable-prompt-logprobs")
+        if facts.num_speculative_tokens:
+            raise ValueError("prompt_logprobs: not available with speculative decoding on this server")
+    if params.logit_bias and max(params.logit_bias) >= facts.vocab_size:
+        raise ValueError(f"logit_bias: token id {max(params.logit_bias)} is outside the vocabulary "
+                         f"[0, {facts.vocab_size})")
+    return Prepared(request_id or uuid.uuid4().hex, ids, params, text)
+
+
+def check_group(facts: EngineFacts, tokenizer: M3Tokenizer | None, rng: random.Random, prompt: Prompt,
+                params: SamplingParams | None = None, request_id: str | None = None) -> list[Prepared]:
+    """`check_request` for `params.n` independent samples of one prompt: n requests ("<id>#<index>" inside the
+    core; their outputs carry the client's id and the choice index). The prompt is tokenised once; its pages
+    are shared through the prefix cache. A seeded request's choice i draws with seed + i."""
+    params = params if params is not None else SamplingParams()
+    if params.n == 1:
+        return [check_request(facts, tokenizer, rng, prompt, params, request_id)]
+    rid = request_id or uuid.uuid4().hex
+    base = dataclasses.replace(params, n=1)
+    first = check_request(facts, tokenizer, rng, prompt, base, rid)
+    group = []
+    for i in range(params.n):
+        child = dataclasses.replace(base, seed=None if params.seed is None else (params.seed + i) % 2**63)
+        p = check_request(facts, tokenizer, rng, first.prompt_ids, child, f"{rid}#{i}")
+        p.text, p.parent_id, p.index = first.text, rid, i
+        group.append(p)
+    return group
+
+
+class GrammarCache:
+    """Requests' compiled grammars (llguidance, against the checkpoint's tokenizer), made on first use; one per
+    process that needs them (the core's, and a front end's in another process, which checks them)."""
+
+    def __init__(self, tokenizer: M3Tokenizer | None, vocab_size: int, eos_token_ids: frozenset[int]):
+        self._tokenizer, self._vocab_size, self._eos = tokenizer, vocab_size, eos_token_ids
+        self._lock = threading.Lock()
+        self.grammars: Any = None  # serving.structured.Grammars
+
+    def compile(self, params: SamplingParams) -> Any:
+        """The request's compiled grammar (a copy from the cache when this grammar was compiled before), or
+        None; ValueError for a grammar, schema or regex that is not valid."""
+        if params.structured_outputs is None:
+            return None
+        if self._tokenizer is None:
+            raise ValueError("structured outputs need the model's tokenizer, and this model has none")
+        with self._lock:
+            if self.grammars is None:
+                from serving.structured import Grammars
+
+                self.grammars = Grammars(self._tokenizer.backend.to_str(), self._vocab_size, sorted(self._eos))
+        return self.grammars.compile(params.structured_outputs)
 
 
 @dataclasses.dataclass
@@ -121,6 +293,11 @@ class _Client:
     logprobs: list[Logprob] | None = None
     # SamplingParams.prompt_logprobs: one entry per prompt token (None for the first), filled as chunks complete.
     prompt_logprobs: list[Logprob | None] | None = None
+    # The sink takes `OutputDelta`s (what a step added) instead of whole RequestOutputs: for a client that keeps
+    # the rest itself (a front end in another process), so no step copies a request's whole output.
+    compact: bool = False
+    sent_logprobs: int = 0
+    sent_prompt_logprobs: bool = False
 
 
 class EngineCore:
@@ -157,8 +334,14 @@ class EngineCore:
         # and device time together).
         self._last_decode: tuple[float, int, int] | None = None
         self._rng = random.Random(settings.seed)
-        self._grammars: Any = None  # serving.structured.Grammars, made when a request first asks for one
-        self._grammars_lock = threading.Lock()
+        self._grammar_cache = GrammarCache(tokenizer, mcfg.vocab_size, self.eos_token_ids)
+        self.facts = EngineFacts(
+            self.max_model_len, mcfg.vocab_size, self.eos_token_ids, self.num_speculative_tokens,
+            settings.enable_prompt_logprobs, model.page_size, self.num_pages, self.num_executables,
+            self.warmup_seconds, settings.compute_dtype(), _device_description(settings.tensor_parallel_size),
+            settings.tensor_parallel_size)
+        # Called by the step thread after each step (a front end in another process sends the step's outputs).
+        self.after_step: Callable[[], None] | None = None
         self._clients: dict[int, _Client] = {}  # by Request.seq
         self._by_id: dict[str, int] = {}  # request id -> seq, for aborts
         self._by_parent: dict[str, set[int]] = {}  # a client's id -> the seqs of its n > 1 choices
@@ -185,50 +368,22 @@ class EngineCore:
                 ) -> tuple[Request, str | None]:
         """Validate and tokenise a request on the caller's thread: (Request, prompt text). ValueError names what
         is wrong."""
-        params = dataclasses.replace(params) if params is not None else SamplingParams()
-        params.validate()
-        if params.seed is None:
-            # Fixed at admission so that a preempted, recomputed request draws the same tokens again.
-            params.seed = self._rng.getrandbits(63)
-        text: str | None = None
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer: send the prompt as token ids")
-            text = prompt
-            try:
-                ids = self.tokenizer.encode(prompt)
-            except (TypeError, UnicodeError) as e:  # e.g. an unpaired UTF-16 surrogate from a JSON client
-                raise ValueError(f"the prompt is not valid text: {e}") from e
-        else:
-            ids = list(prompt)
-            if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-                raise ValueError("a token-id prompt must be a list of integers")
-            bad = [t for t in ids if not 0 <= t < self.model.cfg.vocab_size]
-            if bad:
-                raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.model.cfg.vocab_size})")
-        if not ids:
-            raise ValueError("the prompt is empty")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"the prompt has {len(ids)} tokens; this server's model length is "
-                             f"{self.max_model_len} (prompt plus at least one generated token)")
-        if len(ids) + params.max_tokens > self.max_model_len:
-            # Refused, not clamped: nothing a client asks for is silently changed (vLLM's servers answer 400).
-            raise ValueError(f"max_tokens {params.max_tokens} is too large: the prompt has {len(ids)} tokens and "
-                             f"the model length is {self.max_model_len} ({params.max_tokens} > "
-                             f"{self.max_model_len} - {len(ids)})")
+        p = check_request(self.facts, self.tokenizer, self._rng, prompt, params, request_id)
+        return self.build(p), p.text
+
+    def prepare_group(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
+                      ) -> list[tuple[Request, str | None]]:
+        """`prepare` for `params.n` independent samples of one prompt (`check_group`)."""
+        return [(self.build(p), p.text)
+                for p in check_group(self.facts, self.tokenizer, self._rng, prompt, params, request_id)]
+
+    def build(self, p: Prepared) -> Request:
+        """The core's state of a checked request: its detokeniser, stop checker and grammar."""
+        params, ids = p.params, p.prompt_ids
         detok = (IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
                  if self.tokenizer is not None else None)
-        if params.prompt_logprobs is not None:
-            if not self.settings.enable_prompt_logprobs:
-                raise ValueError("prompt_logprobs: this server computes prompt logprobs (which `echo` with "
-                                 "`logprobs` needs too) only when started with --enable-prompt-logprobs")
-            if self.num_speculative_tokens:
-                raise ValueError("prompt_logprobs: not available with speculative decoding on this server")
-        if params.logit_bias and max(params.logit_bias) >= self.model.cfg.vocab_size:
-            raise ValueError(f"logit_bias: token id {max(params.logit_bias)} is outside the vocabulary "
-                             f"[0, {self.model.cfg.vocab_size})")
         req = Request(
-            request_id=request_id or uuid.uuid4().hex,
+            request_id=p.request_id,
             prompt_ids=ids,
             max_tokens=params.max_tokens,
             stop_token_ids=frozenset(params.stop_token_ids or ()),
@@ -245,46 +400,18 @@ class EngineCore:
             # position, so these requests decode one token a step.
             use_spec=not uses_penalty(params) and params.structured_outputs is None,
         )
-        return req, text
-
-    def prepare_group(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
-                      ) -> list[tuple[Request, str | None]]:
-        """`prepare` for `params.n` independent samples of one prompt: n requests ("<id>#<index>" inside the
-        core; their outputs carry the client's id and the choice index). The prompt is tokenised once; its pages
-        are shared through the prefix cache. A seeded request's choice i draws with seed + i."""
-        params = params if params is not None else SamplingParams()
-        if params.n == 1:
-            return [self.prepare(prompt, params, request_id)]
-        rid = request_id or uuid.uuid4().hex
-        base = dataclasses.replace(params, n=1)
-        first, text = self.prepare(prompt, base, rid)
-        group = []
-        for i in range(params.n):
-            child = dataclasses.replace(base, seed=None if params.seed is None else (params.seed + i) % 2**63)
-            req, _ = self.prepare(first.prompt_ids, child, f"{rid}#{i}")
-            req.parent_id, req.index = rid, i
-            group.append((req, text))
-        return group
+        req.parent_id, req.index = p.parent_id, p.index
+        return req
 
     def compile_grammar(self, params: SamplingParams) -> Any:
-        """The request's compiled grammar (a copy from the cache when this grammar was compiled before), or None;
-        ValueError for a grammar, schema or regex that is not valid."""
-        if params.structured_outputs is None:
-            return None
-        if self.tokenizer is None:
-            raise ValueError("structured outputs need the model's tokenizer, and this model has none")
-        with self._grammars_lock:
-            if self._grammars is None:
-                from serving.structured import Grammars
+        """The request's compiled grammar, or None (`GrammarCache.compile`)."""
+        return self._grammar_cache.compile(params)
 
-                self._grammars = Grammars(self.tokenizer.backend.to_str(), self.model.cfg.vocab_size,
-                                          sorted(self.eos_token_ids))
-        return self._grammars.compile(params.structured_outputs)
-
-    def submit(self, req: Request, prompt_text: str | None = None, sink: Sink | None = None) -> str:
+    def submit(self, req: Request, prompt_text: str | None = None, sink: Sink | None = None,
+               compact: bool = False) -> str:
         """Queue a prepared request (thread-safe); it joins at the next step. Its outputs go to `sink`, called
-        on the core's thread."""
-        self._inbox.append(("add", _Client(req, prompt_text, sink)))
+        on the core's thread: RequestOutputs, or with `compact` the `OutputDelta`s of each step."""
+        self._inbox.append(("add", _Client(req, prompt_text, sink, compact=compact)))
         self._wake.set()
         return req.request_id
 
@@ -319,6 +446,8 @@ class EngineCore:
                 self.step()
             except Exception:  # noqa: BLE001 - the loop must survive anything a step throws
                 log.exception("engine loop error")
+            if self.after_step is not None:
+                self.after_step()
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Let in-flight requests finish (up to `timeout` seconds), abort the rest, stop the loop."""
@@ -374,7 +503,7 @@ class EngineCore:
             return None
         c = TokenConstraints.build(biases, num_rows, self.model.cfg.vocab_size)
         if grammars:
-            self._grammars.fill_rows(grammars, c.allowed)
+            self._grammar_cache.grammars.fill_rows(grammars, c.allowed)
         return c
 
     def _sample_constrained(self, step: InFlight, outputs: list[RequestOutput]) -> None:
@@ -545,7 +674,7 @@ class EngineCore:
               error: str | None = None, rejected: bool = False) -> None:
         req = client.req
         finished = reason is not None
-        ids = list(req.output_ids)
+        ids = req.output_ids
         delta_ids = ids[client.sent_tokens:]
         client.sent_tokens = len(ids)
         metrics: dict[str, float] = {"arrival": req.arrival}
@@ -568,22 +697,23 @@ class EngineCore:
         text = req.text.text if req.text is not None else ""
         delta_text = text[client.sent_chars:]  # the text only grows; a speculative step may add several tokens'
         client.sent_chars = len(text)
-        out = RequestOutput(
-            request_id=req.parent_id or req.request_id,
-            prompt=client.prompt,
-            prompt_token_ids=req.prompt_ids,
-            outputs=[CompletionOutput(req.index, text, ids, reason.value if reason else None,
-                                      list(client.logprobs) if client.logprobs is not None else None,
-                                      req.stop_reason if reason is FinishReason.STOP else None)],
-            finished=finished,
-            delta_text=delta_text,
-            delta_token_ids=delta_ids,
-            error=error,
-            rejected=rejected,
-            metrics=metrics,
-            # Once the prompt is computed (its first token's output on); the list is only rewritten in place.
-            prompt_logprobs=client.prompt_logprobs if req.first_token_time is not None else None,
-        )
+        # Once the prompt is computed (its first token's output on); the list is only rewritten in place.
+        prompt_logprobs = client.prompt_logprobs if req.first_token_time is not None else None
+        delta = OutputDelta(req.request_id, delta_ids, delta_text, reason.value if reason else None,
+                            req.stop_reason if reason is FinishReason.STOP else None, error, rejected, metrics,
+                            None, None)
+        if client.compact:
+            if client.logprobs is not None:
+                delta = delta._replace(logprobs=client.logprobs[client.sent_logprobs:])
+                client.sent_logprobs = len(client.logprobs)
+            if prompt_logprobs is not None and not client.sent_prompt_logprobs:
+                delta = delta._replace(prompt_logprobs=prompt_logprobs)
+                client.sent_prompt_logprobs = True
+            if client.sink is not None:
+                client.sink(delta)
+            return
+        out = request_output(delta, req.parent_id, req.index, client.prompt, req.prompt_ids, text, list(ids),
+                             list(client.logprobs) if client.logprobs is not None else None, prompt_logprobs)
         outputs.append(out)
         if client.sink is not None:
             client.sink(out)

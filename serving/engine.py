@@ -15,6 +15,7 @@ further behind.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import threading
 import weakref
@@ -22,6 +23,7 @@ from collections import deque
 from collections.abc import AsyncIterator
 
 from serving.core import EngineCore, Prompt
+from serving.engine_process import RemoteCore
 from serving.outputs import RequestOutput, SamplingParams
 
 
@@ -41,7 +43,8 @@ class _Mailbox:
             if self._scheduled:
                 return
             self._scheduled = True
-        self._loop.call_soon_threadsafe(self._drain)
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is left to read these outputs
+            self._loop.call_soon_threadsafe(self._drain)
 
     def _drain(self) -> None:
         with self._lock:
@@ -59,7 +62,7 @@ def merge(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
 
 
 class AsyncEngine:
-    def __init__(self, core: EngineCore):
+    def __init__(self, core: EngineCore | RemoteCore):
         self.core = core
         self._mailboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Mailbox] = \
             weakref.WeakKeyDictionary()

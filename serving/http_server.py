@@ -874,7 +874,7 @@ class HttpServer:
         self._check_model(body)
         check_fields(body, DETOKENIZE_FIELDS)
         tokens = body.get("tokens")
-        vocab = self.core.engine.model.cfg.vocab_size
+        vocab = self.core.engine.facts.vocab_size
         if not _int_list(tokens):
             raise APIError("`tokens` must be an array of token ids", param="tokens")
         bad = [t for t in tokens if not 0 <= t < vocab]

@@ -56,6 +56,7 @@ from m3jax.settings import Settings, flag
 from m3jax.settings import add_arguments as add_settings_arguments
 from serving.core import EngineCore, Prompt
 from serving.engine import AsyncEngine
+from serving.engine_process import RemoteCore
 from serving.metrics import Reading, ServerMetrics
 from serving.outputs import RequestOutput, SamplingParams
 from serving.reasoning import (
@@ -75,6 +76,10 @@ stats_log = logging.getLogger("m3jax.stats")
 # What a front end hands to `ServingCore.open`: text, token ids, or a function that makes the ids (a chat
 # template to render); text and functions run on a worker thread.
 PromptSource = Prompt | Callable[[], list[int]]
+
+
+class EngineLost(Exception):
+    """The engine process ended while serving."""
 
 
 class Overloaded(Exception):
@@ -391,9 +396,9 @@ class RequestStream:
 
 
 class ServingCore:
-    """State shared by the gRPC and HTTP front ends over one EngineCore."""
+    """State shared by the gRPC and HTTP front ends over one engine core (in this process or another)."""
 
-    def __init__(self, engine: EngineCore, async_engine: AsyncEngine, model_name: str, model_path: str,
+    def __init__(self, engine: EngineCore | RemoteCore, async_engine: AsyncEngine, model_name: str, model_path: str,
                  max_queue: int = Settings.max_queue, api_key: str | None = None,
                  reasoning_parser: str = Settings.reasoning_parser, tool_call_parser: str = Settings.tool_call_parser):
         if max_queue < 1:
@@ -673,18 +678,18 @@ class ServingCore:
     def model_info(self) -> dict[str, Any]:
         """What ModelInfo and /v1/models report: the model and the engine's current load."""
         e = self.engine
-        cfg = e.model.cfg
+        facts = e.facts
         return {
             "model": self.model_name,
             "path": self.model_path,
-            "max_model_len": e.max_model_len,
-            "vocab_size": cfg.vocab_size,
-            "eos_token_ids": sorted(e.eos_token_ids),
+            "max_model_len": facts.max_model_len,
+            "vocab_size": facts.vocab_size,
+            "eos_token_ids": sorted(facts.eos_token_ids),
             "has_tokenizer": e.tokenizer is not None,
-            "dtype": e.settings.compute_dtype(),
-            "tensor_parallel_size": e.settings.tensor_parallel_size,
-            "device": device_description(e.settings.tensor_parallel_size),
-            "page_size": e.model.page_size,
+            "dtype": facts.dtype,
+            "tensor_parallel_size": facts.tensor_parallel_size,
+            "device": facts.device,
+            "page_size": facts.page_size,
             "num_pages": e.num_pages,
             "pages_in_use": e.pages_in_use,
             "num_waiting": e.num_waiting,
@@ -692,13 +697,6 @@ class ServingCore:
             "requests_in_flight": len(self.active),
             "max_queue": self.max_queue,
         }
-
-
-def device_description(num: int = 1) -> str:
-    import jax
-
-    d = jax.devices()[0]
-    return f"{num} x {d.device_kind}" if d.platform != "cpu" else f"{num} x cpu"
 
 
 def version() -> str:
@@ -832,10 +830,22 @@ def _bind(host: str, port: int, what: str) -> socket.socket:
 _stage = "starting"
 
 
+# In the engine process: tells the servers' process each stage (whose signal handler names it).
+stage_listener: Callable[[str], None] | None = None
+
+
 def _set_stage(stage: str, message: str, *args: Any) -> None:
     global _stage
     _stage = stage
     log.info(message, *args, extra={"stage": stage})
+    if stage_listener is not None:
+        stage_listener(stage)
+
+
+def _note_stage(stage: str) -> None:
+    """A stage the engine process reached (and logged)."""
+    global _stage
+    _stage = stage
 
 
 def _exit_during_startup(signum: int, frame: types.FrameType | None) -> None:
@@ -858,7 +868,7 @@ def _on_signals(handler: Callable[[int, types.FrameType | None], None]) -> None:
         signal.signal(sig, handler)
 
 
-def _build_engine(settings: Settings) -> EngineCore:
+def build_engine(settings: Settings) -> EngineCore:
     """Load the model and build the engine (compile or load every step shape), logging each stage."""
     from serving.core import load
     from serving.runner import token_buckets
@@ -883,14 +893,19 @@ def _build_engine(settings: Settings) -> EngineCore:
     return engine
 
 
-def _start_engine(settings: Settings) -> EngineCore:
-    """`_build_engine` on a worker thread; the main thread only waits, in short slices, so a signal handler
-    runs at once even while the worker is inside a long load or compile."""
+def _start_engine(settings: Settings) -> EngineCore | RemoteCore:
+    """The engine, in a process of its own (`--engine-process`) or in this one (`build_engine`), built on a
+    worker thread; the main thread only waits, in short slices, so a signal handler runs at once even while the
+    worker is inside a long load or compile."""
     box: dict[str, Any] = {}
 
     def run() -> None:
         try:
-            box["engine"] = _build_engine(settings)
+            if settings.engine_process:
+                _set_stage("starting_engine", "starting the engine process")
+                box["engine"] = RemoteCore(settings, on_stage=_note_stage)
+            else:
+                box["engine"] = build_engine(settings)
         except BaseException as e:  # noqa: BLE001 - handed to the main thread, which raises it
             box["error"] = e
 
@@ -929,7 +944,7 @@ def serve(args: argparse.Namespace) -> int:
     sys.setswitchinterval(0.0005)
     try:
         asyncio.run(_serve_async(core, settings, listeners), loop_factory=_event_loop_factory())
-    except OSError as e:
+    except (OSError, EngineLost) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     finally:
@@ -973,6 +988,16 @@ async def _serve_async(core: ServingCore, args: Settings, listeners: Listeners |
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal, sig)
+    engine_lost = False
+
+    def on_engine_exit() -> None:  # the engine process ended unasked (crashed, killed): nothing left to serve
+        nonlocal engine_lost
+        engine_lost = True
+        log.error("the engine process is gone: shutting down", extra={"stage": "engine_lost"})
+        stop.set()
+
+    if isinstance(core.engine, RemoteCore):
+        core.engine.on_exit = lambda: loop.call_soon_threadsafe(on_engine_exit)
 
     _set_stage("starting_servers", "starting the servers")
     grpc_server = GrpcServer(core) if args.grpc_port >= 0 else None
@@ -1015,6 +1040,8 @@ async def _serve_async(core: ServingCore, args: Settings, listeners: Listeners |
         with contextlib.suppress(Exception):
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
+        if engine_lost:
+            raise EngineLost("the engine process exited")
         log.info("shut down cleanly", extra={"stage": "stopped"})
 
 

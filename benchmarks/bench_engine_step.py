@@ -114,6 +114,73 @@ def measure(core: Any, batch: int, context: int, steps: int) -> dict[str, Any]:
             "executables": core.num_executables, **busy, **kernels}
 
 
+def measure_prefill(core: Any, context: int, repeats: int = 6) -> dict[str, Any]:
+    """Time to first token of one `context`-token prompt on an idle engine (submit -> its first output, stepping
+    the core as its loop does) against the bare forward of that same prefill step (the executable the engine
+    ran, its inputs made once, dispatched and waited for), and the engine's split: the first launch's host time
+    (batch assembly + dispatch) and the time blocked on the device."""
+    import jax
+
+    from serving.outputs import SamplingParams
+
+    cfg, runner = core.model.cfg, core.runner
+    rng = np.random.default_rng(context)
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    launched: list[Any] = []
+    launch = runner.launch
+
+    def recording_launch(scheduled: Any, *a: Any, **k: Any) -> Any:
+        launched.append(scheduled)
+        return launch(scheduled, *a, **k)
+
+    runner.launch = recording_launch
+    ttft, first_launch, waits, steps = [], [], [], []
+    try:
+        for i in range(repeats + 1):
+            req, _ = core.prepare(rng.integers(0, cfg.vocab_size, context).tolist(), params)  # no prefix hit
+            got: list[Any] = []
+            launched.clear()
+            core.submit(req, sink=got.append)
+            t0, w0, n = time.perf_counter(), core.stats["device_wait_us"], 0
+            while not got:
+                core.step()
+                n += 1
+                if n == 1:
+                    launch_s = core.last_step_seconds
+            t = time.perf_counter() - t0
+            prefill = launched[0]
+            while core.has_work():
+                core.step()
+            if i:  # the first one warms up
+                ttft.append(t)
+                first_launch.append(launch_s)
+                waits.append((core.stats["device_wait_us"] - w0) / 1e6)
+                steps.append(n)
+    finally:
+        runner.launch = launch
+    num_tokens, forward_args, _, _ = runner.inputs(prefill)
+    forward_args = jax.device_put(forward_args)
+    fwd = runner.executable("forward", num_tokens)
+
+    def bare() -> Any:
+        runner.kv, runner.history, _, greedy_out = fwd(runner.model.params, runner.kv, runner.history,
+                                                       runner.prev_tokens, *forward_args)
+        return greedy_out[1].tokens
+
+    jax.block_until_ready(bare())
+    bare_s = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        np.asarray(bare())
+        bare_s.append(time.perf_counter() - t0)
+    return {"op": "engine_prefill_ttft", "context": context, "token_bucket": num_tokens,
+            "rows": runner.rows_for(num_tokens), "engine_ttft_s": statistics.median(ttft),
+            "bare_prefill_s": statistics.median(bare_s), "engine_over_bare": statistics.median(ttft) /
+            statistics.median(bare_s), "engine_first_launch_host_s": statistics.median(first_launch),
+            "engine_device_wait_s": statistics.median(waits), "engine_steps_to_first_token": max(steps),
+            "repeats": repeats}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="m3-slice")
@@ -123,6 +190,9 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=128)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--prefill", action="store_true",
+                    help="also the time to first token of one --context-token prompt on an idle engine against "
+                         "the bare forward of that prefill step")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
@@ -143,6 +213,10 @@ def main() -> None:
     for b in args.batches:
         rec = {**measure(core, b, args.context, args.steps), "model": args.model, "startup_s": startup,
                "device": device, "git_rev": git_rev()}
+        print(json.dumps(rec), flush=True)
+        records.append(rec)
+    if args.prefill:
+        rec = {**measure_prefill(core, args.context), "model": args.model, "device": device, "git_rev": git_rev()}
         print(json.dumps(rec), flush=True)
         records.append(rec)
     out = Path(args.out or f"benchmarks/results/engine-step-{device.replace(' ', '_')}.json")

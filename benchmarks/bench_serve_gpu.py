@@ -16,6 +16,7 @@ concurrency 1 `ttft_over_bare_prefill`. The per-level `m3jax bench serve` JSON a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
@@ -74,12 +75,22 @@ def _py_spy() -> str | None:
     return next((str(c) for c in candidates if c.exists()), None)
 
 
+def _children(pid: int) -> list[int]:
+    """The process's children (the engine process of `m3jax serve --engine-process`)."""
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError):
+            out += [int(c) for c in (task / "children").read_text().split()]
+    return out
+
+
 def gil_profile(pid: int, cmd: list[str], env: dict, raw_path: Path, rate: int = 250,
                 mode: str = "gil") -> dict | None:
-    """Run `cmd` (a bench level) while py-spy samples the process `pid`; write the raw stacks to `raw_path` and a
-    summary beside it (`.json`). mode "gil": only samples where a thread holds the GIL (the GIL's busy fraction,
-    per thread, and the functions that hold it most); "native": every thread at every sample, idle and native
-    (C/C++) frames included (where a thread's time goes while it does not hold the GIL)."""
+    """Run `cmd` (a bench level) while py-spy samples the process `pid` and each of its children (the engine
+    process: `<raw_path stem>-engine`); write the raw stacks to `raw_path` and a summary beside each (`.json`).
+    mode "gil": only samples where a thread holds the GIL (the GIL's busy fraction, per thread, and the functions
+    that hold it most); "native": every thread at every sample, idle and native (C/C++) frames included (where a
+    thread's time goes while it does not hold the GIL)."""
     spy = _py_spy()
     if spy is None:
         print("[serve-gpu] py-spy not found: no GIL profile", flush=True)
@@ -87,25 +98,34 @@ def gil_profile(pid: int, cmd: list[str], env: dict, raw_path: Path, rate: int =
     # Native stacks need the process paused at each sample: a lower rate keeps that from pacing the steps.
     how = ["--gil", "--nonblocking"] if mode == "gil" else ["--idle", "--native"]
     rate = rate if mode == "gil" else min(rate, 100)
-    rec = subprocess.Popen([spy, "record", "--pid", str(pid), *how, "--threads", "--rate", str(rate), "--format",
-                            "raw", "-o", str(raw_path)], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    paths = {pid: raw_path}
+    for i, child in enumerate(_children(pid)):
+        paths[child] = raw_path.with_name(f"{raw_path.stem}-engine{i or ''}{raw_path.suffix}")
+    recs = [subprocess.Popen([spy, "record", "--pid", str(p), *how, "--threads", "--rate", str(rate), "--format",
+                              "raw", "-o", str(path)], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+            for p, path in paths.items()]
     t0 = time.perf_counter()
     subprocess.run(cmd, cwd=REPO, env=env, check=False)
     seconds = time.perf_counter() - t0
-    rec.send_signal(signal.SIGINT)  # py-spy writes its samples on SIGINT
-    try:
-        rec.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        rec.kill()
-    if not raw_path.exists():
-        print("[serve-gpu] py-spy wrote nothing (no ptrace permission?)", flush=True)
-        return None
-    summary = summarise_stacks(raw_path.read_text(), rate * seconds)
-    summary.update(mode=mode, seconds=seconds, rate_hz=rate, command=cmd)
-    raw_path.with_suffix(".json").write_text(json.dumps(summary, indent=1) + "\n")
-    print(f"[serve-gpu] py-spy ({mode}): {summary['samples']} samples over {seconds:.1f} s "
-          f"({summary['gil_busy_fraction']:.0%} of the possible per thread): {summary['by_thread']}", flush=True)
-    return summary
+    for rec in recs:
+        rec.send_signal(signal.SIGINT)  # py-spy writes its samples on SIGINT
+    for rec in recs:
+        try:
+            rec.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            rec.kill()
+    summaries = {}
+    for path in paths.values():
+        if not path.exists():
+            print(f"[serve-gpu] py-spy wrote nothing to {path.name} (no ptrace permission?)", flush=True)
+            continue
+        summary = summarise_stacks(path.read_text(), rate * seconds)
+        summary.update(mode=mode, seconds=seconds, rate_hz=rate, command=cmd)
+        path.with_suffix(".json").write_text(json.dumps(summary, indent=1) + "\n")
+        print(f"[serve-gpu] py-spy ({mode}) {path.name}: {summary['samples']} samples over {seconds:.1f} s "
+              f"({summary['gil_busy_fraction']:.0%} of the possible per thread): {summary['by_thread']}", flush=True)
+        summaries[path.stem] = summary
+    return summaries or None
 
 
 def summarise_stacks(raw: str, possible_samples: float, top: int = 40) -> dict:

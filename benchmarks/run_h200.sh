@@ -4,7 +4,7 @@
 # results when another card runs them; MODEL (default m3-slice) picks the preset of the serve and invariance cases
 # (m3-slice-1moe fits an 80 GB H100).
 #   startup   serve cold/warm start-up, the engine's decode step, per-shape compile (issue 22)
-#   step      the engine's decode step alone (engine / bare)
+#   step      the engine's decode step alone (engine / bare), and its time to first token on a 1k prompt
 #   cond      whether a lax.cond makes dispatch wait for the device, under XLA flag variants (command buffers)
 #   attninv   the attention kernels with the batch-invariant tiles (mask_every_page index scoring, per-token
 #             sparse prefill, dense single-tile) against their jnp references, 8k decode and prefill
@@ -46,7 +46,7 @@ for what in "$@"; do
       ;;
     step)
       timeout "${STEP_TIMEOUT:-150}" python3 benchmarks/bench_engine_step.py --model "${MODEL:-m3-slice}" \
-        --batches ${STEP_BATCHES:-32 128} --context 1024 --max-num-batched-tokens 256 \
+        --batches ${STEP_BATCHES:-32 128} --context 1024 --max-num-batched-tokens 256 --prefill \
         --out "$OUT/engine-step-${GPU_NAME:-h200}.json"
       ;;
     cond)

@@ -31,6 +31,7 @@ import pickle
 import queue
 import random
 import signal
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -74,15 +75,15 @@ class Readings:
 
 
 class _Outbox:
-    """The engine process's side of the pipe: the step thread hands over each step's deltas and readings; a
-    thread of its own pickles and sends them, so the step thread never blocks on a full pipe."""
+    """The engine process's side of the pipe. The step thread sends each step's deltas and load figures itself,
+    right after the step: a thread of its own would have to win the GIL from the step thread first, which (busy
+    with the next step) could hold it for a switch interval and delay every token, the first one included. A
+    front end that falls behind fills the pipe and the step thread waits: back-pressure, nothing dropped."""
 
     def __init__(self, conn: Any):
         self._conn = conn
-        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._lock = threading.Lock()  # the step thread and the command thread both send
         self.pending: list[OutputDelta] = []  # the step thread's deltas since its last flush
-        self.thread = threading.Thread(target=self._send_loop, name="m3jax-engine-send", daemon=True)
-        self.thread.start()
 
     def add(self, delta: OutputDelta) -> None:
         """A request's sink (on the step thread)."""
@@ -91,20 +92,15 @@ class _Outbox:
     def flush(self, core: EngineCore) -> None:
         """After a step (on the step thread): send its deltas and the load figures."""
         deltas, self.pending = self.pending, []
-        self._queue.put(("step", deltas, Readings.of(core)))
+        self.put(("step", deltas, Readings.of(core)))
 
     def put(self, message: Any) -> None:
-        self._queue.put(message)
-
-    def _send_loop(self) -> None:
-        while True:
-            message = self._queue.get()
-            try:
-                self._conn.send_bytes(pickle.dumps(message, pickle.HIGHEST_PROTOCOL))
-            except (OSError, EOFError):  # the servers' process is gone: so is the reason to run
-                os._exit(0)
-            if message[0] == "stopped":
-                return
+        payload = pickle.dumps(message, pickle.HIGHEST_PROTOCOL)
+        try:
+            with self._lock:
+                self._conn.send_bytes(payload)
+        except (OSError, EOFError):  # the servers' process is gone: so is the reason to run
+            os._exit(0)
 
 
 def _build_in_child(settings: Settings, conn: Any) -> EngineCore:
@@ -121,6 +117,8 @@ def child_main(settings: Settings, conn: Any, log_level: str, log_format: str) -
     the pipe closes."""
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
+    # The command thread (a new request) waits for the GIL at most this long behind the step thread.
+    sys.setswitchinterval(0.0005)
     from serving.server import setup_logging
 
     setup_logging(log_level, log_format)
@@ -162,7 +160,6 @@ def child_main(settings: Settings, conn: Any, log_level: str, log_format: str) -
         elif kind == "shutdown":
             core.shutdown(args[0])
             outbox.put(("stopped",))
-            outbox.thread.join(10)  # everything sent before the process ends
             return
 
 

@@ -31,7 +31,7 @@ def measure(core: Any, batch: int, context: int, steps: int) -> dict[str, Any]:
 
     from serving.outputs import SamplingParams
     from serving.runner import InFlight
-    from serving.sampling import variant
+    from serving.sampling import GREEDY_VARIANT, variant
     from serving.scheduler import ScheduledRow, SchedulerOutput
 
     cfg = core.model.cfg
@@ -74,7 +74,8 @@ def measure(core: Any, batch: int, context: int, steps: int) -> dict[str, Any]:
             for r in core.scheduler.running]
     num_tokens, forward_args, sampling_host, _ = runner.inputs(SchedulerOutput(rows, []))
     # The sampling the engine picks for these rows (greedy: the forward's own output), as the engine runs it.
-    how = variant(sampling_host, runner.max_num_seqs, cfg.vocab_size, constrained=False, want_logprobs=False)
+    how = (GREEDY_VARIANT if sampling_host is None else
+           variant(sampling_host, runner.max_num_seqs, cfg.vocab_size, constrained=False, want_logprobs=False))
     forward_args, sampling = jax.device_put((forward_args, sampling_host))
     fwd = runner.executable("forward", num_tokens)
 

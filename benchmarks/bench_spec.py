@@ -66,7 +66,7 @@ def _plain(model: Any, batch: int, context: int, num_pages: int, pages_per_row: 
     vocab = model.cfg.vocab_size
     plain = ModelRunner(model, num_pages, batch, batch, max_len)
     scheduled = SchedulerOutput(_rows(batch, context, 0, pages_per_row, model.page_size, vocab), [])
-    num_tokens, forward_args, sampling, _ = plain.inputs(scheduled)
+    num_tokens, forward_args, sampling, _ = plain.inputs(scheduled, sampling_tensors=True)
     forward_args, sampling = jax.device_put((forward_args, sampling))
     fwd, smp = plain.executable("forward", num_tokens), plain.executable("sample", sampling.num_rows)
     constraints = jax.device_put(TokenConstraints.empty(sampling.num_rows, vocab))

@@ -59,6 +59,7 @@ from serving.sampling import (
     SamplingTensors,
     TokenConstraints,
     greedy,
+    plainly_greedy,
     prompt_logprobs,
     record_history,
     sample,
@@ -102,7 +103,7 @@ class InFlight:
     scheduled: SchedulerOutput
     seqs: list[int]  # Request.seq of each sampled row, in row order
     logits: jax.Array  # [rows, V] of the forward
-    sampling: SamplingTensors  # host arrays
+    sampling: SamplingTensors | None  # host arrays; None: every row plainly greedy (the forward's argmax samples)
     want_logprobs: bool
     # The forward's greedy sampling of `logits`, (next prev_tokens, output): a plainly greedy step's result.
     greedy: tuple[jax.Array, SampleOutput] | None = None
@@ -116,7 +117,7 @@ class InFlight:
 
     @property
     def num_rows(self) -> int:
-        return self.sampling.num_rows
+        return self.sampling.num_rows if self.sampling is not None else int(self.logits.shape[0])
 
     @property
     def dispatched(self) -> bool:
@@ -365,9 +366,11 @@ class ModelRunner:
         return time.perf_counter() - t0
 
     # ---- one step ------------------------------------------------------------------------------------------
-    def inputs(self, scheduled: SchedulerOutput) -> tuple[int, tuple[Any, ...], SamplingTensors, list[int]]:
+    def inputs(self, scheduled: SchedulerOutput, sampling_tensors: bool | None = None
+               ) -> tuple[int, tuple[Any, ...], SamplingTensors | None, list[int]]:
         """Host arrays of a step: (token bucket, the forward's (batch, prev_index, history_rows), the sampling
-        tensors, each sampled row's index in the step's token output)."""
+        tensors, each sampled row's index in the step's token output). The sampling tensors are None when every
+        sampled row is plainly greedy (the forward's argmax is the step's sampling), unless `sampling_tensors`."""
         num_tokens = self.bucket(scheduled.num_tokens)
         num_rows = self.rows_for(num_tokens)
         rows = scheduled.rows
@@ -388,8 +391,11 @@ class ModelRunner:
                 history_rows.reset[i] = r.start == 0
 
         sampled_rows = [r for r in rows if r.sample]
-        sampling = SamplingTensors.build([r.sampling for r in sampled_rows], [r.num_output for r in sampled_rows],
-                                         num_rows, slots=[r.slot for r in sampled_rows], num_slots=S)
+        params = [r.sampling for r in sampled_rows]
+        sampling = None
+        if sampling_tensors or (sampling_tensors is None and not all(map(plainly_greedy, params))):
+            sampling = SamplingTensors.build(params, [r.num_output for r in sampled_rows], num_rows,
+                                             slots=[r.slot for r in sampled_rows], num_slots=S)
         return num_tokens, (batch, prev_index, history_rows), sampling, [i for i in sample_index if i >= 0]
 
     def prompt_targets(self, scheduled: SchedulerOutput, batch: Batch, num_tokens: int
@@ -450,8 +456,12 @@ class ModelRunner:
     def sample(self, step: InFlight, constraints: TokenConstraints | None = None) -> None:
         """Dispatch a launched step's sampling (None: no biases, no grammar)."""
         try:
-            how = variant(step.sampling, self.max_num_seqs, self.cfg.vocab_size, constrained=constraints is not None,
-                          want_logprobs=step.want_logprobs)
+            if step.sampling is None:  # plainly greedy rows: no bias, no grammar, no logprobs
+                assert constraints is None and not step.want_logprobs
+                how = GREEDY_VARIANT
+            else:
+                how = variant(step.sampling, self.max_num_seqs, self.cfg.vocab_size,
+                              constrained=constraints is not None, want_logprobs=step.want_logprobs)
             self.prev_tokens, step.out = self.run_sampling(how, step, constraints)
         except Exception as e:
             self._reset_state()

@@ -178,6 +178,16 @@ def _row_values(p: SamplingParamsLike) -> tuple[float, ...]:
     return tuple(_attr(p, name, default) for name, default in _FIELDS)
 
 
+def plainly_greedy(p: SamplingParamsLike) -> bool:
+    """A row the forward's own argmax samples (`variant` gives GREEDY_VARIANT for a step of only such rows):
+    greedy, no penalty, no logprobs, no logit bias, no grammar. Decided from the row's parameters, so such a step
+    builds no SamplingTensors at all."""
+    temperature, _, _, _, rep, presence, frequency = _row_values(p)
+    return (temperature <= GREEDY_EPS and rep == 1.0 and presence == 0.0 and frequency == 0.0
+            and getattr(p, "logprobs", None) is None and not getattr(p, "logit_bias", None)
+            and getattr(p, "structured_outputs", None) is None)
+
+
 def uses_penalty(p: SamplingParamsLike) -> bool:
     _, _, _, _, rep, presence, frequency = _row_values(p)
     return rep != 1.0 or presence != 0.0 or frequency != 0.0

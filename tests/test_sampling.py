@@ -19,6 +19,7 @@ from serving.sampling import (
     SamplingTensors,
     apply_penalties,
     greedy,
+    plainly_greedy,
     prompt_logprobs,
     record_history,
     sample,
@@ -345,3 +346,24 @@ def test_validation_accepts_edges() -> None:
     validate_sampling(temperature=0, top_p=1, top_k=-1, min_p=1, repetition_penalty=0.5)
     validate_sampling(presence_penalty=-2, frequency_penalty=2, logprobs=20, max_logprobs=20)
     validate_sampling(top_k=0, logprobs=0)
+
+
+def test_plainly_greedy_rows_are_exactly_the_steps_variant_leaves_to_the_forward() -> None:
+    """A step builds no SamplingTensors when every row is `plainly_greedy`: that must be exactly when `variant`
+    would pick the forward's own argmax, for any mix of rows."""
+    from serving.outputs import SamplingParams
+    from serving.structured import StructuredOutputsParams
+
+    kinds = [SamplingParams(temperature=0.0), SamplingParams(temperature=1e-6), SamplingParams(temperature=0.7),
+             SamplingParams(temperature=0.0, top_k=5), SamplingParams(temperature=0.0, logprobs=2),
+             SamplingParams(temperature=0.0, repetition_penalty=1.2),
+             SamplingParams(temperature=0.0, logit_bias={3: 1.0}), SamplingParams(temperature=0.0, logit_bias={}),
+             SamplingParams(temperature=0.0, structured_outputs=StructuredOutputsParams(regex="a+"))]
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        rows = [kinds[i] for i in rng.integers(0, len(kinds), rng.integers(1, 5))]
+        t = SamplingTensors.build(rows, [0] * len(rows), 8, slots=list(range(len(rows))), num_slots=8)
+        constrained = any(r.logit_bias or r.structured_outputs is not None for r in rows)
+        want_logprobs = any(r.logprobs is not None for r in rows)
+        picked = variant(t, 8, V, constrained=constrained, want_logprobs=want_logprobs)
+        assert all(map(plainly_greedy, rows)) == (picked == "sample_greedy"), rows

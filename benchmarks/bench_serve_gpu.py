@@ -76,11 +76,15 @@ def _py_spy() -> str | None:
 
 
 def _children(pid: int) -> list[int]:
-    """The process's children (the engine process of `m3jax serve --engine-process`)."""
+    """The process's Python children but multiprocessing's resource tracker: the engine process of `m3jax serve`
+    (`--engine-process`, the default)."""
     out = []
     for task in Path(f"/proc/{pid}/task").glob("*"):
         with contextlib.suppress(OSError):
-            out += [int(c) for c in (task / "children").read_text().split()]
+            for child in (task / "children").read_text().split():
+                cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
+                if b"resource_tracker" not in cmdline:
+                    out.append(int(child))
     return out
 
 

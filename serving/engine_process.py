@@ -151,8 +151,9 @@ def child_main(settings: Settings, conn: Any, log_level: str, log_format: str) -
             prepared: Prepared = args[0]
             try:
                 req = core.build(prepared)
-            except ValueError as e:  # a grammar that does not compile here: the request's fault
-                outbox.put(("rejected", prepared.request_id, str(e)))
+            except Exception as e:  # noqa: BLE001 - e.g. a grammar that does not compile here: fail this request
+                log.exception("request %s could not be admitted", prepared.request_id)
+                outbox.put(("rejected", prepared.request_id, str(e), isinstance(e, ValueError)))
                 continue
             core.submit(req, prepared.text, outbox.add, compact=True)
         elif kind == "abort":
@@ -192,7 +193,7 @@ class _Stream:
 
 
 class EngineProcessExited(RuntimeError):
-    pass
+    """The engine process ended (during start-up, or while serving)."""
 
 
 class RemoteCore:
@@ -317,9 +318,9 @@ class RemoteCore:
                     self.stats[key] = value
                 for delta in deltas:
                     self._deliver(delta)
-            elif kind == "rejected":
-                rid, error = args
-                self._deliver(OutputDelta(rid, [], "", "error", None, error, True, {}, None, None))
+            elif kind == "rejected":  # ValueError: the request's fault (a 400), anything else the server's
+                rid, error, bad_request = args
+                self._deliver(OutputDelta(rid, [], "", "error", None, error, bad_request, {}, None, None))
         self.alive = False
         with self._lock:
             streams, self._streams = self._streams, {}

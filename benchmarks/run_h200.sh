@@ -21,9 +21,9 @@
 #             (issue 27; SERVE_FORMAT=bf16|mxfp8, prompt counts reduced to fit one call; SERVE_SWEEPS and
 #             SERVE_PROMPTS trim it further; BARE_FROM reuses an earlier run's bare step records; SERVER_ARGS: more
 #             `m3jax serve` flags, e.g. --no-async-scheduling)
-#   next      the reruns the last session could not make, in one call (~5 min): the engine step at batch 128,
-#             the served 1k/1k at concurrency 1 and 128 (bf16, the bare step reused from BARE_FROM) and a c128
-#             level with py-spy on the server's GIL (PROFILE_C; needs py-spy's wheel in .whl/), the cond probe
+#   next      the H200 reruns after the engine moved to a process of its own, in one call (~8 min): the served
+#             1k/1k at concurrency 1 to 128 with the bare step, then the engine's step at batch 32 / 128 and its
+#             time to first token with the served settings
 #   invariance  greedy batch invariance of the engine with and without --batch-invariant, and which XLA ops
 #             change a row's result with the row count (issue 27; each mode in its own process)
 #   structured  grammar masks at batch 64 on this host's CPUs (issue 25; llguidance has no wheel for the GPU
@@ -45,9 +45,10 @@ for what in "$@"; do
       timeout 150 python3 benchmarks/bench_startup.py shapes --buckets 256 8192 --out "$OUT/startup-shapes-h200.json"
       ;;
     step)
+      # The served settings (8k budget, 1k/1k's model length): after `serve`, the executables load from its cache.
       timeout "${STEP_TIMEOUT:-150}" python3 benchmarks/bench_engine_step.py --model "${MODEL:-m3-slice}" \
-        --batches ${STEP_BATCHES:-32 128} --context 1024 --max-num-batched-tokens 256 --prefill \
-        --out "$OUT/engine-step-${GPU_NAME:-h200}.json"
+        --batches ${STEP_BATCHES:-32 128} --context 1024 --max-num-batched-tokens 8192 --max-model-len 2176 \
+        --prefill --out "$OUT/engine-step-${GPU_NAME:-h200}.json"
       ;;
     cond)
       timeout "${COND_TIMEOUT:-240}" python3 benchmarks/probe_cond_dispatch.py --out "$OUT/cond-dispatch-${GPU_NAME:-h200}.json"
@@ -102,10 +103,8 @@ for what in "$@"; do
       tar czf "$OUT/serve-$gpu-$fmt.tgz" -C /tmp "serve-$gpu-$fmt"
       ;;
     next)
-      STEP_BATCHES=128 STEP_TIMEOUT=120 SERVE_SWEEPS="--sweep 1024x1024:1,128" SERVE_PROMPTS=1 SERVE_TIMEOUT=220 \
-        PROFILE_C="${PROFILE_C:-128}" COND_TIMEOUT=200 \
-        BARE_FROM="${BARE_FROM:-benchmarks/results/serve-h200-bf16-30e16d2/serve-h200-bf16-bare.json}" \
-        bash "$0" step serve cond
+      SERVE_SWEEPS="--sweep 1024x1024:1,8,32,64,128" SERVE_PROMPTS=1 SERVE_TIMEOUT=360 bash "$0" serve
+      STEP_TIMEOUT=130 bash "$0" step
       ;;
     invariance)
       gpu="${GPU_NAME:-h200}"

@@ -65,7 +65,7 @@ def _summary(updates):
 def remote():
     core = RemoteCore(Settings(**SETTINGS))
     yield core
-    core.shutdown(5.0)
+    core.shutdown(5.0)  # also after the last test killed it
 
 
 def test_outputs_equal_the_in_process_core(remote):
@@ -113,21 +113,21 @@ def test_a_start_up_error_keeps_its_type_and_message(tmp_path):
         RemoteCore(Settings(**{**SETTINGS, "model": str(tmp_path / "nowhere")}))
 
 
-def test_a_dead_engine_process_fails_what_is_in_flight():
+def test_a_dead_engine_process_fails_what_is_in_flight(remote):
+    """(Last in this module: it kills the module's engine process.)"""
     exited = threading.Event()
-    core = RemoteCore(Settings(**SETTINGS), on_exit=exited.set)
+    remote.on_exit = exited.set
 
     async def main():
-        engine = AsyncEngine(core)
+        engine = AsyncEngine(remote)
         stream = engine.generate([4, 5, 6], SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))
         await stream.__anext__()
-        os.kill(core._proc.pid, signal.SIGKILL)
+        os.kill(remote._proc.pid, signal.SIGKILL)
         with pytest.raises(RuntimeError, match="engine process exited"):
             async for _ in stream:
                 pass
 
     asyncio.run(main())
-    assert exited.wait(10) and not core.alive
+    assert exited.wait(10) and not remote.alive
     with pytest.raises(EngineProcessExited):
-        core.submit(*core.prepare_group([1, 2])[0])
-    core.shutdown(1.0)
+        remote.submit(*remote.prepare_group([1, 2])[0])

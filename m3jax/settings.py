@@ -94,7 +94,8 @@ class Settings:
     batch_invariant: bool = knob(False, "greedy tokens that do not depend on the batch, chunking or preemption: "
                                  "every kernel runs tiles that give a row the same arithmetic whatever the step "
                                  "holds (the linears, router and norms' sums through the Pallas linear kernel); "
-                                 "shown on H100 and H200, about 13% slower: docs/benchmarks.md", KERNELS)
+                                 "shown on H100 and H200; its cost, measured per GPU, is in docs/benchmarks.md",
+                                 KERNELS)
     # ---- server ----
     host: str = knob("127.0.0.1", "address both servers bind (127.0.0.1: this machine only; 0.0.0.0: every "
                      "interface)", SERVER)

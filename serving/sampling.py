@@ -182,10 +182,8 @@ def plainly_greedy(p: SamplingParamsLike) -> bool:
     """A row the forward's own argmax samples (`variant` gives GREEDY_VARIANT for a step of only such rows):
     greedy, no penalty, no logprobs, no logit bias, no grammar. Decided from the row's parameters, so such a step
     builds no SamplingTensors at all."""
-    temperature, _, _, _, rep, presence, frequency = _row_values(p)
-    return (temperature <= GREEDY_EPS and rep == 1.0 and presence == 0.0 and frequency == 0.0
-            and getattr(p, "logprobs", None) is None and not getattr(p, "logit_bias", None)
-            and getattr(p, "structured_outputs", None) is None)
+    return (_row_values(p)[0] <= GREEDY_EPS and not uses_penalty(p) and getattr(p, "logprobs", None) is None
+            and not getattr(p, "logit_bias", None) and getattr(p, "structured_outputs", None) is None)
 
 
 def uses_penalty(p: SamplingParamsLike) -> bool:

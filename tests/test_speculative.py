@@ -220,9 +220,10 @@ def test_speculative_config_is_checked():
                  ).speculative().draft_path("m3-tiny")
 
 
-def test_server_with_speculation_reports_acceptance(tmp_path_factory):
-    """`m3jax serve --speculative-config ...` on loopback: answers, exports the speculation counters under both
-    names, and `m3jax bench serve` reports the acceptance length."""
+def test_server_with_speculation_reports_acceptance(tmp_path_factory, reference):
+    """`m3jax serve --speculative-config ...` on loopback (the engine in its own process): answers greedily with
+    exactly the text of the engine without speculation, exports the speculation counters under both names, and
+    `m3jax bench serve` reports the acceptance length."""
     import subprocess
     import sys
     import urllib.request
@@ -235,7 +236,10 @@ def test_server_with_speculation_reports_acceptance(tmp_path_factory):
         body = json.dumps({"prompt": TEXTS[2], "max_tokens": 24, "temperature": 0}).encode()
         req = urllib.request.Request(srv.http_url + "/v1/completions", body, {"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=120) as r:
-            assert json.loads(r.read())["usage"]["completion_tokens"] == 24
+            answer = json.loads(r.read())
+        assert answer["usage"]["completion_tokens"] == 24
+        plain = reference[0].generate([TEXTS[2]], SamplingParams(temperature=0.0, max_tokens=24), use_tqdm=False)
+        assert answer["choices"][0]["text"] == plain[0].outputs[0].text
         m = scrape(srv.http_url)
         drafts = m["m3jax_spec_decode_num_drafts_total"]
         assert drafts > 0 and m[f'vllm:spec_decode_num_drafts_total{{model_name="{srv.model}"}}'] == drafts

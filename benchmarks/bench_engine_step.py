@@ -174,12 +174,17 @@ def measure_prefill(core: Any, context: int, repeats: int = 6) -> dict[str, Any]
         t0 = time.perf_counter()
         np.asarray(bare())
         bare_s.append(time.perf_counter() - t0)
+    from benchmarks.timing import device_profile
+
+    # Kernel by kernel, to set beside bench_slice_decode.py's one-row prefill (what the padding costs).
+    prof = device_profile(bare, [()], calls=4, top=40)
     return {"op": "engine_prefill_ttft", "context": context, "token_bucket": num_tokens,
             "rows": runner.rows_for(num_tokens), "engine_ttft_s": statistics.median(ttft),
             "bare_prefill_s": statistics.median(bare_s), "engine_over_bare": statistics.median(ttft) /
             statistics.median(bare_s), "engine_first_launch_host_s": statistics.median(first_launch),
             "engine_device_wait_s": statistics.median(waits), "engine_steps_to_first_token": max(steps),
-            "repeats": repeats}
+            "repeats": repeats, "pages_per_row": runner.pages_per_row,
+            **{"bare_" + k: v for k, v in prof.items()}}
 
 
 def main() -> None:

@@ -164,10 +164,17 @@ def main() -> None:
         kv = model.new_pages(1 + width)
         tokens = np.random.default_rng(n).integers(0, cfg.vocab_size, n).tolist()
         batch, _ = build_batch([RowPlan(tokens, 0, range(1, 1 + width))], ps, n, 1, width)
-        _, run, compile_s = first_step(kv, batch)
+        state, run, compile_s = first_step(kv, batch)
+        time_s = timeit(run)
+
+        def step_only():
+            out = model.step(state["kv"], batch)
+            state["kv"] = out.kv
+            return out.logits
+
         return {"op": "m3_slice_prefill", "shape": {"tokens": n, "layers": cfg.num_layers},
-                "moe_format": args.moe_format, "batch_invariant": args.batch_invariant, "time_s": timeit(run),
-                "compile_s": compile_s,
+                "moe_format": args.moe_format, "batch_invariant": args.batch_invariant, "time_s": time_s,
+                "compile_s": compile_s, **device_profile(step_only, [()], calls=4, top=40),
                 "device": jax.devices()[0].device_kind, "git_rev": rev, "jax": jax.__version__}
 
     results = []

@@ -28,7 +28,6 @@ import logging
 import multiprocessing
 import os
 import pickle
-import queue
 import random
 import signal
 import sys
@@ -122,16 +121,43 @@ def child_main(settings: Settings, conn: Any, log_level: str, log_format: str) -
     from serving.server import setup_logging
 
     setup_logging(log_level, log_format)
-    commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
+    built = threading.Event()  # the core exists: the command thread may hand it commands
+    stopped = threading.Event()  # the core has shut down: the process may end
+    state: dict[str, Any] = {}
 
-    def read() -> None:
+    def handle(kind: str, *args: Any) -> None:
+        core, outbox = state["core"], state["outbox"]
+        if kind == "add":
+            prepared: Prepared = args[0]
+            try:
+                req = core.build(prepared)
+            except Exception as e:  # noqa: BLE001 - e.g. a grammar that does not compile here: fail this request
+                log.exception("request %s could not be admitted", prepared.request_id)
+                outbox.put(("rejected", prepared.request_id, str(e), isinstance(e, ValueError)))
+                return
+            core.submit(req, prepared.text, outbox.add, compact=True)
+        elif kind == "abort":
+            core.abort(args[0])
+        elif kind == "shutdown":
+            core.shutdown(args[0])
+            outbox.put(("stopped",))
+            stopped.set()
+
+    def receive() -> None:
+        # Commands are handled on this thread as they arrive: a new request reaches the step thread's queue
+        # without another thread hand-off on its way.
         try:
-            while True:
-                commands.put(pickle.loads(conn.recv_bytes()))
+            while not stopped.is_set():
+                message = pickle.loads(conn.recv_bytes())
+                built.wait()  # nothing is sent before "ready"; this only orders the first command after it
+                handle(*message)
         except (EOFError, OSError):  # the servers' process ended (or closed its end): end at once
             os._exit(0)
+        except BaseException:  # a bug: end, so that the servers' process sees the pipe close and says so
+            log.exception("the engine process's command thread failed")
+            os._exit(1)
 
-    threading.Thread(target=read, name="m3jax-engine-recv", daemon=True).start()
+    threading.Thread(target=receive, name="m3jax-engine-recv", daemon=True).start()
     try:
         core = _build_in_child(settings, conn)
     except BaseException as e:  # noqa: BLE001 - handed to the servers' process, which raises it
@@ -143,25 +169,11 @@ def child_main(settings: Settings, conn: Any, log_level: str, log_format: str) -
         return
     outbox = _Outbox(conn)
     core.after_step = lambda: outbox.flush(core)
+    state.update(core=core, outbox=outbox)
     core.start()
+    built.set()
     outbox.put(("ready", core.facts))
-    while True:
-        kind, *args = commands.get()
-        if kind == "add":
-            prepared: Prepared = args[0]
-            try:
-                req = core.build(prepared)
-            except Exception as e:  # noqa: BLE001 - e.g. a grammar that does not compile here: fail this request
-                log.exception("request %s could not be admitted", prepared.request_id)
-                outbox.put(("rejected", prepared.request_id, str(e), isinstance(e, ValueError)))
-                continue
-            core.submit(req, prepared.text, outbox.add, compact=True)
-        elif kind == "abort":
-            core.abort(args[0])
-        elif kind == "shutdown":
-            core.shutdown(args[0])
-            outbox.put(("stopped",))
-            return
+    stopped.wait()
 
 
 # ---- the servers' process --------------------------------------------------------------------------------------

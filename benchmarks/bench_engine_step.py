@@ -159,21 +159,28 @@ def measure_prefill(core: Any, context: int, repeats: int = 6) -> dict[str, Any]
                 steps.append(n)
     finally:
         runner.launch = launch
-    num_tokens, forward_args, _, _ = runner.inputs(prefill)
-    forward_args = jax.device_put(forward_args)
+    num_tokens, host_args, _, _ = runner.inputs(prefill)
+    forward_args = jax.device_put(host_args)
     fwd = runner.executable("forward", num_tokens)
 
-    def bare() -> Any:
+    def bare(args: Any = forward_args) -> Any:
         runner.kv, runner.history, _, greedy_out = fwd(runner.model.params, runner.kv, runner.history,
-                                                       runner.prev_tokens, *forward_args)
+                                                       runner.prev_tokens, *args)
         return greedy_out[1].tokens
 
     jax.block_until_ready(bare())
-    bare_s = []
+    # Inputs already on the device (bare), and as the engine passes them (host arrays: the copies are part of
+    # the dispatch); `dispatch`: until the call returns (the host's launch), the rest is the device's.
+    timed: dict[str, list[float]] = {"bare": [], "bare_host_args": [], "bare_dispatch": [],
+                                     "bare_host_args_dispatch": []}
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        np.asarray(bare())
-        bare_s.append(time.perf_counter() - t0)
+        for name, args in (("bare", forward_args), ("bare_host_args", host_args)):
+            t0 = time.perf_counter()
+            tokens = bare(args)
+            timed[name + "_dispatch"].append(time.perf_counter() - t0)
+            np.asarray(tokens)
+            timed[name].append(time.perf_counter() - t0)
+    bare_s = timed["bare"]
     from benchmarks.timing import device_profile
 
     # Kernel by kernel, to set beside bench_slice_decode.py's one-row prefill (what the padding costs).
@@ -184,6 +191,7 @@ def measure_prefill(core: Any, context: int, repeats: int = 6) -> dict[str, Any]
             statistics.median(bare_s), "engine_first_launch_host_s": statistics.median(first_launch),
             "engine_device_wait_s": statistics.median(waits), "engine_steps_to_first_token": max(steps),
             "repeats": repeats, "pages_per_row": runner.pages_per_row,
+            **{f"{k}_s": statistics.median(v) for k, v in timed.items() if k != "bare"},
             **{"bare_" + k: v for k, v in prof.items()}}
 
 

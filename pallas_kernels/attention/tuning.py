@@ -15,10 +15,15 @@ import dataclasses
 # is the linear interpolation of those two points, not a measurement.
 KV_WRITE_PALLAS_MIN_ROWS = 1024
 
-# Fewer rows per request than this is "decode-like": one page read must serve few query rows, the op is
-# bandwidth-bound and the grid must split the pages to fill 132 SMs. More is a prefill chunk: compute-bound,
-# query blocks of many rows so the matrix units see M >= 64.
-DECODE_ROWS_PER_REQUEST = 8
+# At most this many query rows per request row of the bucket (tokens / rows, rows padded to max_num_seqs) is
+# "decode-like": one page read must serve few query rows, the op is bandwidth-bound and the grid must split the
+# pages to fill 132 SMs. More is a prefill chunk: compute-bound, query blocks of many rows so the matrix units
+# see M >= 64. 4 covers a verify step of 1 + 3 draft rows per request. At 8, the engine's 1,024-token bucket
+# (128 rows) took the decode tiles, and a lone 1k prompt ran its block-sparse attention one token per program:
+# 559 us against 98 us with the prefill tiles (H100, m3-slice-1moe, kernel-busy,
+# benchmarks/results/engine-prefill-h100-1moe-214053d/). Its steps hold over 512 tokens and at most 128 decode
+# rows, so they are mostly prefill whatever the mix.
+DECODE_ROWS_PER_REQUEST = 4
 NUM_SMS = 132  # H200
 # Decode index: page tables up to this wide (8k tokens) take the top-k inside the scoring kernel (index_tiles).
 FUSED_TOPK_MAX_PAGES = 64

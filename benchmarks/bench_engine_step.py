@@ -76,12 +76,12 @@ def measure(core: Any, batch: int, context: int, steps: int) -> dict[str, Any]:
     # The sampling the engine picks for these rows (greedy: the forward's own output), as the engine runs it.
     how = (GREEDY_VARIANT if sampling_host is None else
            variant(sampling_host, runner.max_num_seqs, cfg.vocab_size, constrained=False, want_logprobs=False))
-    forward_args, sampling = jax.device_put((forward_args, sampling_host))
+    host, sampling = jax.device_put((runner.host_pack("forward", num_tokens).pack(forward_args), sampling_host))
     fwd = runner.executable("forward", num_tokens)
 
     def bare_step() -> Any:
         runner.kv, runner.history, logits, greedy_out = fwd(runner.model.params, runner.kv, runner.history,
-                                                             runner.prev_tokens, *forward_args)
+                                                             runner.prev_tokens, host)
         step = InFlight(SchedulerOutput([], []), [], logits, sampling, False, greedy=greedy_out)
         runner.prev_tokens, out = runner.run_sampling(how, step, None)
         return out
@@ -159,18 +159,19 @@ def measure_prefill(core: Any, context: int, repeats: int = 6) -> dict[str, Any]
                 steps.append(n)
     finally:
         runner.launch = launch
-    num_tokens, host_args, _, _ = runner.inputs(prefill)
+    num_tokens, forward_args, _, _ = runner.inputs(prefill)
+    host_args = runner.host_pack("forward", num_tokens).pack(forward_args)
     forward_args = jax.device_put(host_args)
     fwd = runner.executable("forward", num_tokens)
 
     def bare(args: Any = forward_args) -> Any:
         runner.kv, runner.history, _, greedy_out = fwd(runner.model.params, runner.kv, runner.history,
-                                                       runner.prev_tokens, *args)
+                                                       runner.prev_tokens, args)
         return greedy_out[1].tokens
 
     jax.block_until_ready(bare())
-    # Inputs already on the device (bare), and as the engine passes them (host arrays: the copies are part of
-    # the dispatch); `dispatch`: until the call returns (the host's launch), the rest is the device's.
+    # Inputs already on the device (bare), and as the engine passes them (one packed host array: its copy is
+    # part of the dispatch); `dispatch`: until the call returns (the host's launch), the rest is the device's.
     timed: dict[str, list[float]] = {"bare": [], "bare_host_args": [], "bare_dispatch": [],
                                      "bare_host_args_dispatch": []}
     for _ in range(repeats):

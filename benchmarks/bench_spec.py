@@ -67,13 +67,12 @@ def _plain(model: Any, batch: int, context: int, num_pages: int, pages_per_row: 
     plain = ModelRunner(model, num_pages, batch, batch, max_len)
     scheduled = SchedulerOutput(_rows(batch, context, 0, pages_per_row, model.page_size, vocab), [])
     num_tokens, forward_args, sampling, _ = plain.inputs(scheduled, sampling_tensors=True)
-    forward_args, sampling = jax.device_put((forward_args, sampling))
+    host, sampling = jax.device_put((plain.host_pack("forward", num_tokens).pack(forward_args), sampling))
     fwd, smp = plain.executable("forward", num_tokens), plain.executable("sample", sampling.num_rows)
     constraints = jax.device_put(TokenConstraints.empty(sampling.num_rows, vocab))
 
     def plain_step() -> Any:
-        plain.kv, plain.history, logits, _ = fwd(model.params, plain.kv, plain.history, plain.prev_tokens,
-                                                 *forward_args)
+        plain.kv, plain.history, logits, _ = fwd(model.params, plain.kv, plain.history, plain.prev_tokens, host)
         plain.prev_tokens, out = smp(logits, plain.history, sampling, constraints)
         return out.tokens
 

@@ -72,14 +72,14 @@ def measure_shapes(args: argparse.Namespace) -> list[dict[str, Any]]:
                 abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), abstract)
             t0 = time.perf_counter()
             if gpu:
-                traced = runner._fns["forward"].trace(*abstract)
+                traced = runner.jitted("forward", tokens).trace(*abstract)
                 t1 = time.perf_counter()
                 lowered = traced.lower()
             else:
                 from pallas_kernels.gpu_lowering import abstract_gpu
 
                 with abstract_gpu():
-                    traced = runner._fns["forward"].trace(*abstract)
+                    traced = runner.jitted("forward", tokens).trace(*abstract)
                     t1 = time.perf_counter()
                     lowered = traced.lower(lowering_platforms=("cuda",))
             t2 = time.perf_counter()

@@ -1,6 +1,7 @@
 """The model executor: the only code that builds device arrays and calls the compiled step.
 
-A `SchedulerOutput` becomes a padded `Batch`; sampling parameters become `SamplingTensors`. A step is one or two
+A `SchedulerOutput` becomes a padded `Batch`, which travels with the step's other host arrays as one packed int32
+array (`HostPack`: one host-to-device copy); sampling parameters become `SamplingTensors`. A step is one or two
 compiled calls: the forward (page pool and penalty history donated) returns logits and their greedy tokens; a
 step whose rows are all plainly greedy stops there, any other runs a sampling executable (biases, a grammar's
 allowed tokens, penalties, filters, the draw) on the logits. Only token ids (and logprobs when asked) come back to
@@ -96,6 +97,52 @@ class StepFailed(RuntimeError):
     gone); every request with pages must be failed, since its KV is lost."""
 
 
+class HostPack:
+    """A forward's host arrays (its Batch, prev_index, HistoryRows and, for prompt logprobs, the targets) as one
+    int32 array: one host-to-device copy a step instead of twelve. On the H100 the twelve cost 0.38-0.61 ms of
+    host time a call against 0.19-0.22 ms for one packed array (benchmarks/probe_host_args.py,
+    benchmarks/results/engine-prefill-h100-1moe-214053d/host-args-h100.json), at a batch-1 step's pace of
+    about 1.5 ms. The layout is fixed per executable (its token bucket), so it is a static part of the call."""
+
+    def __init__(self, example: Any):
+        leaves, self.treedef = jax.tree.flatten(example)
+        self.specs = tuple((tuple(np.shape(x)), np.dtype(x.dtype)) for x in leaves)
+        for _, dtype in self.specs:
+            if not (dtype == np.bool_ or np.issubdtype(dtype, np.integer) and dtype.itemsize <= 4):
+                raise TypeError(f"host array of dtype {dtype}: only int32 and bool arrays are packed")
+        self.size = sum(int(np.prod(shape)) for shape, _ in self.specs)
+
+    def _key(self) -> tuple[Any, ...]:
+        return self.treedef, self.specs
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, HostPack) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def pack(self, tree: Any) -> np.ndarray:
+        out = np.empty(self.size, np.int32)
+        at = 0
+        for x, (shape, _) in zip(jax.tree.leaves(tree), self.specs, strict=True):
+            n = int(np.prod(shape))
+            if np.shape(x) != shape:
+                raise ValueError(f"host array of shape {np.shape(x)} where the executable takes {shape}")
+            out[at:at + n] = np.ravel(x)
+            at += n
+        return out
+
+    def unpack(self, flat: jax.Array) -> Any:
+        """Inside the executable: the arrays back, with their shapes and dtypes."""
+        leaves, at = [], 0
+        for shape, dtype in self.specs:
+            n = int(np.prod(shape))
+            x = flat[at:at + n].reshape(shape)
+            leaves.append(x != 0 if dtype == np.bool_ else x.astype(dtype))
+            at += n
+        return jax.tree.unflatten(self.treedef, leaves)
+
+
 @dataclasses.dataclass
 class InFlight:
     """A dispatched step: device arrays until `collect`."""
@@ -146,13 +193,15 @@ class Draft:
     k: int
 
 
-def _forward(params: Any, kv: KVPages, history: PenaltyHistory, prev_tokens: jax.Array, batch: Batch,
-             prev_index: jax.Array, history_rows: HistoryRows, targets: jax.Array | None = None, *, cfg: Any,
-             kernels: KernelChoice, logits_sharding: Any = None, max_logprobs: int,
+def _forward(params: Any, kv: KVPages, history: PenaltyHistory, prev_tokens: jax.Array, host: jax.Array, *,
+             pack: HostPack, cfg: Any, kernels: KernelChoice, logits_sharding: Any = None, max_logprobs: int,
              num_prev: int) -> tuple[Any, ...]:
     """The step's forward: (pages, history, logits, the greedy sampling of the logits as "sample_greedy" would
-    give it). With `targets` (i32[T], each token's next prompt token or -1), the "forward_plp" executable: also
-    every token's prompt logprobs."""
+    give it). `host` holds (batch, prev_index, history_rows[, targets]) packed (`HostPack`). With `targets`
+    (i32[T], each token's next prompt token or -1), the "forward_plp" executable: also every token's prompt
+    logprobs."""
+    batch, prev_index, history_rows, *rest = pack.unpack(host)
+    targets = rest[0] if rest else None
     # Placeholders: tokens the previous step sampled, taken from its device output.
     token_ids = jnp.where(prev_index >= 0, prev_tokens[jnp.maximum(prev_index, 0)], batch.token_ids)
     batch = dataclasses.replace(batch, token_ids=token_ids)
@@ -204,10 +253,6 @@ class ModelRunner:
         self.token_buckets = token_buckets(max_num_batched_tokens)
         self.cache = ExecutableCache(cache_dir) if cache_dir is not None else None
         self._fns = {
-            "forward": jax.jit(functools.partial(_forward, cfg=self.cfg, kernels=model.kernels,
-                                                 logits_sharding=model.rules.replicated(),
-                                                 max_logprobs=MAX_LOGPROBS, num_prev=max_num_seqs),
-                               donate_argnums=(1, 2), compiler_options=model.kernels.compiler_options),
             "sample": jax.jit(functools.partial(_sample, max_logprobs=MAX_LOGPROBS, num_prev=max_num_seqs)),
             **{f"sample_{how}": jax.jit(functools.partial(_sample_plain, filtered=how == "filter",
                                                           max_logprobs=MAX_LOGPROBS, num_prev=max_num_seqs))
@@ -216,8 +261,7 @@ class ModelRunner:
         # Prompt logprobs: a second forward per token bucket (every token's logprobs), used only by steps that
         # hold such a request, so that the others pay nothing.
         self.enable_prompt_logprobs = enable_prompt_logprobs
-        if enable_prompt_logprobs:
-            self._fns["forward_plp"] = self._fns["forward"]
+        self._packs: dict[tuple[str, int], HostPack] = {}
         self.draft = draft
         if draft is not None:
             # One executable a step: target, verification and the draft's passes (serving/speculative.py).
@@ -268,10 +312,7 @@ class ModelRunner:
                     np.zeros(rows, np.int32), np.zeros(rows, np.int32))
             device = (self.model.params, self.draft.params, self.kv, self.draft_pages, self.history)
         elif what in ("forward", "forward_plp"):
-            batch, _ = build_batch([], self.page_size, size, self.rows_for(size), self.pages_per_row)
-            host = (batch, np.zeros(size, np.int32), HistoryRows.untracked(self.rows_for(size), self.max_num_seqs))
-            if what == "forward_plp":
-                host = (*host, np.full(size, -1, np.int32))
+            host = (np.zeros(self.host_pack(what, size).size, np.int32),)
             device = (self.model.params, self.kv, self.history, self.prev_tokens)
         elif what in ("sample_draw", "sample_filter"):
             host = (SamplingTensors.build([], [], size, num_slots=self.max_num_seqs),)
@@ -281,6 +322,32 @@ class ModelRunner:
                     TokenConstraints.empty(size, V))
             device = (jax.ShapeDtypeStruct((size, V), jnp.float32, sharding=replicated), self.history)
         return (*jax.tree.map(spec, device), *jax.tree.map(lambda x: spec(x, replicated), host))
+
+    def host_pack(self, what: str, size: int) -> HostPack:
+        """The packing of a forward's host arrays at token bucket `size` ("forward" or "forward_plp")."""
+        pack = self._packs.get((what, size))
+        if pack is None:
+            batch, _ = build_batch([], self.page_size, size, self.rows_for(size), self.pages_per_row)
+            host = (batch, np.zeros(size, np.int32), HistoryRows.untracked(self.rows_for(size), self.max_num_seqs))
+            if what == "forward_plp":
+                host = (*host, np.full(size, -1, np.int32))
+            pack = self._packs[(what, size)] = HostPack(host)
+        return pack
+
+    def jitted(self, what: str, size: int) -> Any:
+        """The jitted function behind executable (`what`, `size`), for tracing (a forward's host layout is part
+        of its function)."""
+        if what in ("forward", "forward_plp"):
+            m = self.model
+            return jax.jit(functools.partial(_forward, pack=self.host_pack(what, size), cfg=self.cfg,
+                                             kernels=m.kernels, logits_sharding=m.rules.replicated(),
+                                             max_logprobs=MAX_LOGPROBS, num_prev=self.max_num_seqs),
+                           donate_argnums=(1, 2), compiler_options=m.kernels.compiler_options)
+        return self._fns[what]
+
+    def trace(self, what: str, size: int) -> Any:
+        """Executable (`what`, `size`) traced on its abstract arguments (`.lower()` next)."""
+        return self.jitted(what, size).trace(*self._abstract_args(what, size))
 
     def _key(self, what: str, size: int) -> str:
         m = self.model
@@ -313,7 +380,7 @@ class ModelRunner:
             if exe is not None:
                 self._done(what, size, exe, "loaded", t0, on_done)
             else:
-                todo.append((what, size, key, t0, self._fns[what].trace(*self._abstract_args(what, size)).lower()))
+                todo.append((what, size, key, t0, self.trace(what, size).lower()))
 
         def compile_one(item: tuple) -> None:
             what, size, key, t0, lowered = item
@@ -434,12 +501,9 @@ class ModelRunner:
         prompt = None
         try:
             if spans:
-                exe = self.executable("forward_plp", num_tokens)
-                self.kv, self.history, logits, greedy_out, prompt = exe(
-                    self.model.params, self.kv, self.history, self.prev_tokens, *forward_args, targets)
+                logits, greedy_out, prompt = self.run_forward("forward_plp", num_tokens, (*forward_args, targets))
             else:
-                self.kv, self.history, logits, greedy_out = self.executable("forward", num_tokens)(
-                    self.model.params, self.kv, self.history, self.prev_tokens, *forward_args)
+                logits, greedy_out = self.run_forward("forward", num_tokens, forward_args)
         except Exception as e:
             self._reset_state()
             raise StepFailed(f"step failed: {e}") from e
@@ -452,6 +516,15 @@ class ModelRunner:
         if not defer_sampling:
             self.sample(step, constraints)
         return step
+
+    def run_forward(self, what: str, num_tokens: int, host_args: tuple[Any, ...]) -> tuple[Any, ...]:
+        """Dispatch forward executable `what` ("forward" / "forward_plp") of token bucket `num_tokens` on a step's
+        host arrays (`inputs`' forward arguments, then the targets for prompt logprobs), packed into one copy.
+        Takes the new page pool and history; returns the rest: (logits, greedy output[, prompt logprobs])."""
+        flat = self.host_pack(what, num_tokens).pack(host_args)
+        self.kv, self.history, *outs = self.executable(what, num_tokens)(
+            self.model.params, self.kv, self.history, self.prev_tokens, flat)
+        return tuple(outs)
 
     def sample(self, step: InFlight, constraints: TokenConstraints | None = None) -> None:
         """Dispatch a launched step's sampling (None: no biases, no grammar)."""

@@ -29,7 +29,7 @@ def test_step_lowers_at_odd_sizes(model, max_model_len, max_num_seqs, max_num_ba
     for what, size in [("forward", runner.token_buckets[0]), ("forward", runner.token_buckets[-1]),
                        ("sample", rows), ("sample_draw", rows), ("sample_filter", rows)]:
         args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), runner._abstract_args(what, size))
-        text = lower_for_gpu(runner._fns[what], *args)
+        text = lower_for_gpu(runner.jitted(what, size), *args)
         if what == "forward":  # dense and block-sparse attention, index + top-k, both MoE GEMMs (and KV writes
             assert count_triton_kernels(text) >= 5, (what, size)  # from 1024 rows on)
         if (what, size) == ("forward", runner.token_buckets[0]) or what != "sample" and what.startswith("sample"):
@@ -51,7 +51,7 @@ def test_speculative_step_lowers_with_the_published_draft_shapes(model):
                          draft=Draft(dcfg, draft_abstract(dcfg, "bfloat16"), 3))
     args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), runner._abstract_args("spec", 128))
     # The target's kernels, plus the draft's paged attention and KV writes.
-    assert count_triton_kernels(lower_for_gpu(runner._fns["spec"], *args)) >= 7
+    assert count_triton_kernels(lower_for_gpu(runner.jitted("spec", 128), *args)) >= 7
 
 
 @pytest.mark.parametrize("moe_format", ["bf16", "mxfp8"])
@@ -64,7 +64,7 @@ def test_batch_invariant_step_lowers(moe_format):
     runner = ModelRunner(model, num_pages=8, max_num_seqs=32, max_num_batched_tokens=2048, max_model_len=1280)
     for size in (runner.token_buckets[0], runner.token_buckets[-1]):
         args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), runner._abstract_args("forward", size))
-        text = lower_for_gpu(runner._fns["forward"], *args)
+        text = lower_for_gpu(runner.jitted("forward", size), *args)
         # Attention (3), MoE (2), and the linears: q/k/v/o, index q/k, router, dense MLP's 3, lm_head.
         assert count_triton_kernels(text) >= 12, size
         # Outside the kernels XLA computes no float sum whose order it could choose by shape: no GEMM, and only

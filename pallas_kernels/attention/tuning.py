@@ -137,9 +137,14 @@ def sparse_tiles(num_tokens: int, num_rows: int, topk: int, heads_per_group: int
     # (attention-h200-prefill-5.json) timed the choice: it took union at 0.276 pages per pair (64-token drift)
     # and 0.274 (256), 2,110 / 2,103 us against 2,098 / 2,096 forced, and block-major at 0.475 (random),
     # 2,732 us against 2,649 forced (the union page lists' sorts, computed for the predicate then).
-    union = AttentionTiles(bt=4, pages_per_split=4 * topk, num_stages=3, key_tile=64)
-    return AttentionTiles(bt=4, pages_per_split=4 * topk, num_stages=2, block_major=16, union=union,
-                          union_max_page_ratio=0.356)
+    # Block-major alone, no device-side choice: choosing needs a lax.cond, and on the GPU the runtime reads a
+    # conditional's predicate back on the host, so the dispatch of every prefill step waited for the device at
+    # each sparse layer (H100, m3-slice-1moe, 1k prefill: 1.94 ms to dispatch, 63% of it in cuStreamSynchronize
+    # under XLA's ConditionalThunk, against 0.34 ms for a decode step; benchmarks/profile_dispatch.py,
+    # benchmarks/results/dispatch-h100-1moe-25254b8/). Each sparse layer then waited for the host to launch its
+    # second half, and the host could not build the next step meanwhile. The union kernel stays for tiles that
+    # ask for it (`block_major=0`); taking it where selections overlap needs a choice the host never reads.
+    return AttentionTiles(bt=4, pages_per_split=4 * topk, num_stages=2, block_major=16)
 
 
 def dense_tiles(num_tokens: int, num_rows: int, pages_per_row: int, num_kv_heads: int,

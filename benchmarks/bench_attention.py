@@ -265,7 +265,7 @@ def _selection_overlap(blocks_TGN: np.ndarray, span: int = 4) -> dict[str, float
     b = blocks_TGN[:T - T % span].reshape(-1, span, G, N).transpose(0, 2, 1, 3).reshape(-1, span * N)
     srt = np.sort(b, axis=1)
     distinct = ((srt >= 0) & np.concatenate([np.ones_like(srt[:, :1], bool), srt[:, 1:] != srt[:, :-1]], 1)).sum(1)
-    ratio = float(distinct.sum() / max(1, (b >= 0).sum()))  # msa.kernel.union_prefers' statistic (aligned spans)
+    ratio = float(distinct.sum() / max(1, (b >= 0).sum()))  # union pages per selected pair
     return {"span_tokens": span, "distinct_blocks": float(distinct.mean()),
             "selected_blocks": float((b >= 0).sum(1).mean()), "union_page_ratio": ratio}
 
@@ -506,15 +506,7 @@ def _layout_experiment(case: Case, rec: Recorder, shape: dict[str, Any], sp_sets
 
 
 def _fmt(t: IndexTiles | AttentionTiles) -> str:
-    parts = []
-    for f in dataclasses.fields(t):
-        v = getattr(t, f.name)
-        if f.name == "union":
-            if v is not None:
-                parts.append(f"union=({_fmt(v)}) at <= {t.union_max_page_ratio} pages/pair")
-        elif f.name != "union_max_page_ratio":
-            parts.append(f"{f.name}={v}")
-    return " ".join(parts)
+    return " ".join(f"{f.name}={getattr(t, f.name)}" for f in dataclasses.fields(t))
 
 
 VARIANTS = "tune"  # "tune": the sets the table was chosen from (and the KV-layout experiment); "final": the fused
@@ -557,11 +549,11 @@ def _sparse_variants(kind: str, context: int, base: AttentionTiles) -> list[Atte
     if VARIANTS == "prefill":
         if kind != "prefill":
             return []
-        # The table picks KV-block-major (msa/block_major.py) or the query-block kernel over the union of 4
-        # tokens' selections on the device, by their overlap (msa.kernel.union_prefers). Each forced, to time the
-        # choice. (attention-h200-prefill-2/-3/-4.json: 1 / 4 / 8 tiles per page read and 8-token tiles with 8
-        # warps were slower than 16 tiles of 4 tokens.)
-        return [r(base, union=None, union_max_page_ratio=0.0), base.union] if base.union else []
+        # The table picks KV-block-major (msa/block_major.py); against it, the query-block kernel over the union
+        # of 4 tokens' selections, which wins where neighbouring tokens' selections overlap (the case's
+        # `union_page_ratio`). (attention-h200-prefill-2/-3/-4.json: 1 / 4 / 8 tiles per page read and 8-token
+        # tiles with 8 warps were slower than 16 tiles of 4 tokens.)
+        return [r(base, block_major=0, num_stages=3, key_tile=64)] if base.block_major else []
     if VARIANTS == "final":
         return []
     if VARIANTS == "depth":

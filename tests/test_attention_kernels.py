@@ -252,34 +252,33 @@ def test_block_major_work_items_cover_each_selection_once():
 
 
 @pytest.mark.parametrize("selections", ["own", "shared"])
-def test_dispatch_prefill_chunk_picks_block_major_or_union(selections):
+def test_prefill_chunk_block_major_and_union_kernels(selections):
     """A prefill-shaped batch (one request, a 40-token chunk after a 200-token prefix: more rows per request than
-    decode) goes through `dispatch` to the block-major tiles, which run the KV-block-major kernel when the
-    tokens' own selections overlap little and the union query-block kernel when each 4-token block shares one
-    selection; either equals the reference end to end."""
+    decode) goes through `dispatch` to the KV-block-major tiles, chosen by the table and never on the device (no
+    conditional); the union query-block kernel, with tokens' own selections or each 4-token block sharing one,
+    equals the reference as well."""
+    import dataclasses
+
     rng = np.random.default_rng(8)
     batch, _ = build_batch([RowPlan([1] * 40, 200, list(range(1, 32)))], PS, 48, 2, 32)
     args = (batch.page_table, batch.token_row, batch.positions)
     T = batch.num_tokens
     tiles = tuning.sparse_tiles(T, batch.page_table.shape[0], TOPK, HG)
-    assert tiles.block_major > 0 and tiles.union is not None
+    assert tiles.block_major > 0
     iq, ik = _normal(rng, T, K, DI), _normal(rng, NUM_PAGES, PS, DI)
     blocks = dispatch.paged_select_blocks(iq, ik, *args, topk=TOPK, local_blocks=1, impl="interpret")
     visible = np.asarray(batch.positions)[:40] // PS + 1
     assert (visible > TOPK).mean() > 0.5  # most tokens' selections drop blocks: real sparsity
     if selections == "shared":  # each token takes the selection of its query block's first token
-        blocks = blocks[np.arange(T) // tiles.union.bt * tiles.union.bt]
-    qbs = query_blocks(batch.token_row, batch.positions, bt=tiles.union.bt, num_rows=batch.page_table.shape[0])
-    _, count = msa_kernel.union_page_lists(blocks, qbs, tiles.union.bt)
-    ratio = int(count.sum()) / int((np.asarray(blocks) >= 0).sum())
-    for r, want in ((ratio, True), (ratio - 1e-3, False)):  # the predicate counts the union lists' pages exactly
-        assert bool(msa_kernel.union_prefers(blocks, qbs, tiles.union.bt, r)) == want
-    assert bool(msa_kernel.union_prefers(blocks, qbs, tiles.union.bt, tiles.union_max_page_ratio)) == (
-        selections == "shared")
+        blocks = blocks[np.arange(T) // tiles.bt * tiles.bt]
     q = _normal(rng, T, H, D)
     kp, vp = (_normal(rng, NUM_PAGES, PS, K, D) for _ in range(2))
-    got = dispatch.paged_block_sparse_attention(q, kp, vp, *args, blocks, scale=SCALE, impl="interpret")
     want = msa_ref.paged_block_sparse_attention(q, kp, vp, *args, blocks, scale=SCALE)
+    got = dispatch.paged_block_sparse_attention(q, kp, vp, *args, blocks, scale=SCALE, impl="interpret")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
+    union = dataclasses.replace(tiles, block_major=0, num_stages=3, key_tile=64)
+    got = msa_kernel.paged_block_sparse_attention(q, kp, vp, *args, blocks, scale=SCALE, tiles=union,
+                                                  interpret=True)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
 
 

@@ -61,10 +61,6 @@ class AttentionTiles:
     # (msa/block_major.py): one program per (group, selected block, up to n tiles of bt tokens that chose it),
     # partial results merged afterwards.
     block_major: int = 0
-    # Block-major only: run the union query-block kernel with these tiles instead when the query blocks' unions
-    # hold at most `union_max_page_ratio` pages per selected (token, group, block) pair (msa.kernel).
-    union: AttentionTiles | None = None
-    union_max_page_ratio: float = 0.0
     # Dense: every page through the masked loop body, none through the unmasked one. Which pages a row sees in
     # which body depends on the first token of its query block, i.e. on how the step cut the request, and the two
     # bodies need not round alike (the compiler may contract `s * c - m * c` differently around the select).

@@ -272,20 +272,6 @@ def union_page_lists(blocks_TGN: jax.Array, qbs: QueryBlocks, bt: int) -> tuple[
     return blk_QGL, jnp.sum(blk_QGL != _NO_BLOCK, axis=-1).astype(jnp.int32)
 
 
-def union_prefers(blocks_TGN: jax.Array, qbs: QueryBlocks, bt: int, max_page_ratio: float) -> jax.Array:
-    """Whether the union kernel should run (a device bool): the query blocks' unions hold at most `max_page_ratio`
-    pages per selected (token, group, block) pair (AttentionTiles.union_max_page_ratio). The union sizes come
-    from comparing each entry with the ones before it ([Q, G, L, L] in one fusion), not from the sorts that
-    `union_page_lists` needs: the block-major path does not pay for those (83 us at an 8k chunk when it did)."""
-    sel_QGL = _query_block_selections(blocks_TGN, qbs, bt)
-    L = sel_QGL.shape[-1]
-    earlier = jnp.arange(L)[:, None] > jnp.arange(L)[None, :]  # [i, j]: j comes before i
-    seen = jnp.any((sel_QGL[..., :, None] == sel_QGL[..., None, :]) & earlier, axis=-1)
-    real = sel_QGL != _NO_BLOCK
-    pages, selected = jnp.sum(real & ~seen, dtype=jnp.int32), jnp.sum(real, dtype=jnp.int32)
-    return pages.astype(jnp.float32) <= max_page_ratio * selected.astype(jnp.float32)
-
-
 def paged_block_sparse_attention(q_THD: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                                  page_table_RP: jax.Array, token_row_T: jax.Array, pos_T: jax.Array,
                                  blocks_TGN: jax.Array, *, scale: float, tiles: AttentionTiles,
@@ -294,36 +280,26 @@ def paged_block_sparse_attention(q_THD: jax.Array, k_pages: jax.Array, v_pages: 
     from -1 padding (what `paged_select_blocks` produces); with one token per program duplicates are not merged.
     `heads_major`: pages laid out [pages, K, page_size, hd] (an experiment against KVPages' layout).
 
-    Block-major tiles with a `union` alternative pick between the two kernels on the device, by how much the
-    tokens of a query block share their selections (`union_prefers`): the same selections cost the union kernel
-    more the less they overlap, while block-major costs about the same either way."""
+    `tiles.block_major` picks the KV-block-major kernel, else query blocks over their tokens' union of pages.
+    The tiles choose, never the device: a choice by the selections' overlap would need a conditional, whose
+    predicate the GPU runtime reads back on the host (tuning.sparse_tiles)."""
     blocks_TGN = blocks_TGN.astype(jnp.int32)
     kv = (q_THD, k_pages, v_pages, page_table_RP)
 
-    def block_major() -> jax.Array:
+    if tiles.block_major:
         return block_major_attention(*kv, token_row_T, pos_T, blocks_TGN, scale=scale, tiles=tiles,
                                      interpret=interpret)
-
-    if tiles.block_major and tiles.union is None:
-        return block_major()
-    u = tiles.union if tiles.block_major else tiles  # the query-block kernel's tiles
-    qbs = query_blocks(token_row_T, pos_T, bt=u.bt, num_rows=page_table_RP.shape[0])
+    qbs = query_blocks(token_row_T, pos_T, bt=tiles.bt, num_rows=page_table_RP.shape[0])
 
     def union(page_list: jax.Array, count: jax.Array, per_token: jax.Array | None) -> jax.Array:
-        return ragged_paged_attention(*kv, pos_T, qbs, scale=scale, tiles=u, page_list_QGL=page_list,
+        return ragged_paged_attention(*kv, pos_T, qbs, scale=scale, tiles=tiles, page_list_QGL=page_list,
                                       count_QG=count, blocks_TGN=per_token, interpret=interpret,
                                       heads_major=heads_major)
 
-    if u.bt == 1:
+    if tiles.bt == 1:
         # One token per program and query block q == token q: the selection itself is the page list
         # (-1 entries are masked in the kernel), no sort needed on the decode path.
         T, G, N = blocks_TGN.shape
         assert qbs.num_blocks == T
         return union(blocks_TGN, jnp.full((T, G), N, jnp.int32), None)
-
-    def union_of_blocks() -> jax.Array:
-        return union(*union_page_lists(blocks_TGN, qbs, u.bt), blocks_TGN)
-
-    if not tiles.block_major:
-        return union_of_blocks()
-    return lax.cond(union_prefers(blocks_TGN, qbs, u.bt, tiles.union_max_page_ratio), union_of_blocks, block_major)
+    return union(*union_page_lists(blocks_TGN, qbs, tiles.bt), blocks_TGN)

@@ -3,9 +3,11 @@
 m3-slice (the real widths, 4 layers) with a random EAGLE-3 draft of the published M3 draft's shapes
 (`Inferact/MiniMax-M3-EAGLE3-GQA`: 6144 wide, 4 KV heads, own embedding and lm_head over 200,064 tokens). Random
 weights make acceptance meaningless, so this times the work: at batch B, each request `--context` tokens deep,
-- plain: the engine's decode step (forward of B single-token rows + sampling), back to back;
+- plain: the engine's decode step (forward of B single-token rows, whose argmax samples greedy rows), back to
+  back;
 - spec k: the engine's speculative step (the target over B rows of 1 + k tokens, verification, the draft's
-  first pass and k - 1 chained passes), back to back.
+  first pass and k - 1 chained passes), back to back: "spec_greedy", the executable the engine runs for greedy
+  rows (rows that sample take "spec", whose sampling conditionals make the dispatch wait for the device).
 Both are the executables the engine runs, timed inside their jitted graphs with only dispatch between them.
 
 A token then costs plain / 1 without speculation and spec_k / L with it, L the mean accepted length (accepted
@@ -60,20 +62,19 @@ def _plain(model: Any, batch: int, context: int, num_pages: int, pages_per_row: 
     import jax
 
     from serving.runner import ModelRunner
-    from serving.sampling import TokenConstraints
     from serving.scheduler import SchedulerOutput
 
     vocab = model.cfg.vocab_size
     plain = ModelRunner(model, num_pages, batch, batch, max_len)
     scheduled = SchedulerOutput(_rows(batch, context, 0, pages_per_row, model.page_size, vocab), [])
-    num_tokens, forward_args, sampling, _ = plain.inputs(scheduled, sampling_tensors=True)
-    host, sampling = jax.device_put((plain.host_pack("forward", num_tokens).pack(forward_args), sampling))
-    fwd, smp = plain.executable("forward", num_tokens), plain.executable("sample", sampling.num_rows)
-    constraints = jax.device_put(TokenConstraints.empty(sampling.num_rows, vocab))
+    num_tokens, forward_args, sampling, _ = plain.inputs(scheduled)
+    assert sampling is None  # greedy rows: the forward's own argmax is the step's sampling, as in the engine
+    host = jax.device_put(plain.host_pack("forward", num_tokens).pack(forward_args))
+    fwd = plain.executable("forward", num_tokens)
 
     def plain_step() -> Any:
-        plain.kv, plain.history, logits, _ = fwd(model.params, plain.kv, plain.history, plain.prev_tokens, host)
-        plain.prev_tokens, out = smp(logits, plain.history, sampling, constraints)
+        plain.kv, plain.history, _, (plain.prev_tokens, out) = fwd(model.params, plain.kv, plain.history,
+                                                                   plain.prev_tokens, host)
         return out.tokens
 
     return _time(plain_step, steps), sum(e["seconds"] for e in plain.compile_log)
@@ -99,9 +100,12 @@ def measure(model: Any, draft_cfg: Any, draft_params: Any, batch: int, context: 
         runner = ModelRunner(model, num_pages, batch, batch * (1 + k), max_len, draft=Draft(draft_cfg, draft_params, k))
         scheduled = SchedulerOutput(_rows(batch, context, k, pages_per_row, ps, vocab), [])
         num_tokens, inputs = runner.spec_inputs(scheduled)
+        what = runner.spec_variant(inputs, None, False)  # the engine's choice for these rows
         inputs = jax.device_put(inputs)
-        runner.executable("spec", num_tokens)
-        rec[f"spec_k{k}_step_s"] = _time(lambda r=runner, n=num_tokens, x=inputs: r.run_spec(n, x, None).emitted, steps)
+        runner.executable(what, num_tokens)
+        rec[f"spec_k{k}_executable"] = what
+        rec[f"spec_k{k}_step_s"] = _time(lambda r=runner, w=what, n=num_tokens, x=inputs: r.run_spec(w, n, x, None)
+                                         .emitted, steps)
         rec[f"spec_k{k}_compile_s"] = sum(e["seconds"] for e in runner.compile_log)
         rec[f"spec_k{k}_over_plain"] = rec[f"spec_k{k}_step_s"] / rec["plain_step_s"]
         for mode, length in ACCEPTANCE[k].items():

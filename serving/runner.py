@@ -72,6 +72,8 @@ from serving.speculative import SpecOutput, spec_step
 
 log = logging.getLogger(__name__)
 
+SPEC_VARIANTS = ("spec", "spec_greedy")  # the speculative executables of a token bucket (`spec_variant`)
+
 
 class _Greedy:
     """The sampling parameters of a padding row: greedy, everything off."""
@@ -264,10 +266,13 @@ class ModelRunner:
         self._packs: dict[tuple[str, int], HostPack] = {}
         self.draft = draft
         if draft is not None:
-            # One executable a step: target, verification and the draft's passes (serving/speculative.py).
-            self._fns["spec"] = jax.jit(functools.partial(
-                spec_step, cfg=self.cfg, dcfg=draft.dcfg, kernels=model.kernels, k=draft.k,
-                max_logprobs=MAX_LOGPROBS), donate_argnums=(2, 3, 4), compiler_options=model.kernels.compiler_options)
+            # One executable a step: target, verification and the draft's passes (serving/speculative.py); two
+            # per bucket: "spec_greedy" for steps of plainly greedy rows (no conditional), "spec" for the rest.
+            for what in SPEC_VARIANTS:
+                self._fns[what] = jax.jit(functools.partial(
+                    spec_step, cfg=self.cfg, dcfg=draft.dcfg, kernels=model.kernels, k=draft.k,
+                    max_logprobs=MAX_LOGPROBS, greedy=what == "spec_greedy"), donate_argnums=(2, 3, 4),
+                    compiler_options=model.kernels.compiler_options)
         self._executables: dict[tuple[str, int], Callable[..., Any]] = {}
         self._no_constraints: dict[int, TokenConstraints] = {}  # device copies of the empty constraints, by rows
         self.compile_log: list[dict[str, Any]] = []  # one entry per executable made: what, size, how, seconds
@@ -303,7 +308,7 @@ class ModelRunner:
             return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding or getattr(x, "sharding", None))
 
         V = self.cfg.vocab_size
-        if what == "spec":
+        if what in SPEC_VARIANTS:
             rows, width = self.rows_for(size), 1 + self.draft.k
             batch, _ = build_batch([], self.page_size, size, rows, self.pages_per_row, logits_per_row=width)
             host = (batch, HistoryRows.untracked(rows, self.max_num_seqs),
@@ -407,7 +412,7 @@ class ModelRunner:
         """Every executable serving can need: a forward per token bucket, and per row count the general sampling
         and the plain ones (`sampling.PLAIN_VARIANTS` but greedy, which the forward computes)."""
         if self.draft is not None:
-            return [("spec", t) for t in self.token_buckets]
+            return [(what, t) for what in SPEC_VARIANTS for t in self.token_buckets]
         rows = sorted({self.rows_for(t) for t in self.token_buckets})
         plp = [("forward_plp", t) for t in self.token_buckets] if self.enable_prompt_logprobs else []
         return ([("forward", t) for t in self.token_buckets] + plp + [("sample", r) for r in rows]
@@ -592,11 +597,20 @@ class ModelRunner:
         sampling = SamplingTensors.build(params, steps, num_rows * W, slots=slots, num_slots=S)
         return num_tokens, SpecInputs(batch, history_rows, sampling, draft_next.reshape(-1), row_next, num_logits)
 
-    def run_spec(self, num_tokens: int, inputs: SpecInputs, constraints: TokenConstraints | None) -> SpecOutput:
-        """Dispatch a speculative step (`constraints` over its [rows, 1 + k] grid; None: none)."""
+    def spec_variant(self, inputs: SpecInputs, constraints: TokenConstraints | None, want_logprobs: bool) -> str:
+        """The speculative executable for a step with host `inputs`: "spec_greedy" when every row is plainly
+        greedy (`sampling.variant`'s greedy case), else "spec"."""
+        how = variant(inputs.sampling, self.max_num_seqs, self.cfg.vocab_size, constrained=constraints is not None,
+                      want_logprobs=want_logprobs)
+        return "spec_greedy" if how == GREEDY_VARIANT else "spec"
+
+    def run_spec(self, what: str, num_tokens: int, inputs: SpecInputs,
+                 constraints: TokenConstraints | None) -> SpecOutput:
+        """Dispatch speculative executable `what` (`spec_variant`) on a step (`constraints` over its [rows, 1 + k]
+        grid; None: none)."""
         if constraints is None:
             constraints = self._empty_constraints(inputs.sampling.num_rows)
-        self.kv, self.draft_pages, self.history, out = self.executable("spec", num_tokens)(
+        self.kv, self.draft_pages, self.history, out = self.executable(what, num_tokens)(
             self.model.params, self.draft.params, self.kv, self.draft_pages, self.history, *inputs[:3], constraints,
             *inputs[3:])
         return out
@@ -604,14 +618,14 @@ class ModelRunner:
     def _launch_spec(self, scheduled: SchedulerOutput, constraints: TokenConstraints | None) -> InFlight:
         """A speculative step: verification rows of 1 + drafts tokens, the draft's passes, in one executable."""
         num_tokens, inputs = self.spec_inputs(scheduled)
-        try:
-            out = self.run_spec(num_tokens, inputs, constraints)
-        except Exception as e:
-            self._reset_state()
-            raise StepFailed(f"step failed: {e}") from e
         rows = scheduled.rows
         sampled = [i for i, r in enumerate(rows) if r.sample]
         want = any(getattr(rows[i].sampling, "logprobs", None) is not None for i in sampled)
+        try:
+            out = self.run_spec(self.spec_variant(inputs, constraints, want), num_tokens, inputs, constraints)
+        except Exception as e:
+            self._reset_state()
+            raise StepFailed(f"step failed: {e}") from e
         return InFlight(scheduled, [rows[i].seq for i in sampled], None, inputs.sampling, want, spec=out,
                         sampled_index=sampled)
 

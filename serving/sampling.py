@@ -481,6 +481,16 @@ def greedy(logits: jax.Array, max_logprobs: int) -> SampleOutput:
                         jnp.zeros((L, max_logprobs), jnp.float32))
 
 
+def greedy_verify(logits: jax.Array, drafts: jax.Array, max_logprobs: int) -> SampleOutput:
+    """`sample(..., drafts=drafts)` for a speculative step whose every row is plainly greedy (`plainly_greedy`):
+    the argmax, each draft accepted iff it equals it, the argmax as the token emitted instead. The same result as
+    `sample` gives such rows, with none of its conditionals: on the GPU a conditional's predicate is read back on
+    the host, so the dispatch of the whole speculative step would wait for the target's forward before it could
+    launch the draft's passes. The logprob fields are zeros (no row asked for them)."""
+    out = greedy(logits, max_logprobs)
+    return dataclasses.replace(out, accept=(drafts >= 0) & (out.tokens == drafts), residual=out.tokens)
+
+
 # The samplings of a plain step (no penalty, bias or grammar), by what its rows need; each gives the tokens `sample`
 # gives, without its conditionals. Anything else takes the general "sample".
 GREEDY_VARIANT = "sample_greedy"  # computed inside the forward executable (serving/runner.py), not on its own

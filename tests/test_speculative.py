@@ -102,7 +102,7 @@ def test_greedy_output_is_exactly_the_output_without_speculation(reference, rand
 def spec_llm():
     settings = dict(BASE, warmup=True)  # every speculative step shape made at start-up
     with LLM(**settings, speculative_config={"method": "eagle3", "num_speculative_tokens": 3}) as llm:
-        assert llm.core.runner.shapes() == [("spec", 8), ("spec", 16), ("spec", 32)]
+        assert llm.core.runner.shapes() == [(what, size) for what in ("spec", "spec_greedy") for size in (8, 16, 32)]
         yield llm
 
 

@@ -52,6 +52,10 @@ def test_speculative_step_lowers_with_the_published_draft_shapes(model):
     args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), runner._abstract_args("spec", 128))
     # The target's kernels, plus the draft's paged attention and KV writes.
     assert count_triton_kernels(lower_for_gpu(runner.jitted("spec", 128), *args)) >= 7
+    # A step of plainly greedy rows holds no conditional: dispatching it never waits for the device.
+    text = lower_for_gpu(runner.jitted("spec_greedy", 128), *args)
+    assert count_triton_kernels(text) >= 7
+    assert "stablehlo.case" not in text and "stablehlo.if" not in text
 
 
 @pytest.mark.parametrize("moe_format", ["bf16", "mxfp8"])

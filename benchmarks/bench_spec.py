@@ -80,8 +80,8 @@ def _plain(model: Any, batch: int, context: int, num_pages: int, pages_per_row: 
     return _time(plain_step, steps), sum(e["seconds"] for e in plain.compile_log)
 
 
-def measure(model: Any, draft_cfg: Any, draft_params: Any, batch: int, context: int, ks: list[int], steps: int
-            ) -> dict[str, Any]:
+def measure(model: Any, draft_cfg: Any, draft_params: Any, batch: int, context: int, ks: list[int], steps: int,
+            also_general: bool = False) -> dict[str, Any]:
     import jax
 
     from serving.runner import Draft, ModelRunner
@@ -106,6 +106,10 @@ def measure(model: Any, draft_cfg: Any, draft_params: Any, batch: int, context: 
         rec[f"spec_k{k}_executable"] = what
         rec[f"spec_k{k}_step_s"] = _time(lambda r=runner, w=what, n=num_tokens, x=inputs: r.run_spec(w, n, x, None)
                                          .emitted, steps)
+        if also_general:  # the same rows through the general executable, whose sampling holds conditionals
+            runner.executable("spec", num_tokens)
+            rec[f"spec_k{k}_general_step_s"] = _time(
+                lambda r=runner, n=num_tokens, x=inputs: r.run_spec("spec", n, x, None).emitted, steps)
         rec[f"spec_k{k}_compile_s"] = sum(e["seconds"] for e in runner.compile_log)
         rec[f"spec_k{k}_over_plain"] = rec[f"spec_k{k}_step_s"] / rec["plain_step_s"]
         for mode, length in ACCEPTANCE[k].items():
@@ -121,6 +125,8 @@ def main() -> None:
     ap.add_argument("--ks", type=int, nargs="+", default=[1, 3])
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--also-general", action="store_true",
+                    help="also time the general speculative executable (sampling under conditionals) on the same rows")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
@@ -151,7 +157,7 @@ def main() -> None:
     records = []
     for b in args.batches:
         rec = {"op": "spec_step", "model": args.model, **measure(model, dcfg, draft_params, b, args.context, args.ks,
-                                                                  args.steps),
+                                                                  args.steps, args.also_general),
                "device": device, "git_rev": git_rev(), "acceptance_lengths": ACCEPTANCE}
         print(json.dumps(rec), flush=True)
         records.append(rec)

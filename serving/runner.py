@@ -14,7 +14,8 @@ constraints, the sampling; `sample` dispatches a deferred sampling; `collect` wa
 
 Shapes: one forward executable per token bucket and three sampling executables per row count (the general one, and
 two without a conditional for steps with no penalty, bias or grammar: drawing, filtering; chosen on the host by
-`sampling.variant`, whose third plain variant, all greedy, is the forward's own output). The token count of a
+`sampling.variant`, whose third plain variant, all greedy, is the forward's own output); with speculation, two
+speculative executables per token bucket instead (`SPEC_VARIANTS`). The token count of a
 step is padded to the next bucket (powers of two from 8 up to `max_num_batched_tokens`) and its rows to
 min(bucket, max_num_seqs), the most rows that many tokens can hold, so the row count never multiplies the
 executables. The page table is always `max_model_len / page_size` wide (attention shapes never depend on the
@@ -110,7 +111,7 @@ class HostPack:
         leaves, self.treedef = jax.tree.flatten(example)
         self.specs = tuple((tuple(np.shape(x)), np.dtype(x.dtype)) for x in leaves)
         for _, dtype in self.specs:
-            if not (dtype == np.bool_ or np.issubdtype(dtype, np.integer) and dtype.itemsize <= 4):
+            if dtype not in (np.dtype(np.int32), np.dtype(np.bool_)):
                 raise TypeError(f"host array of dtype {dtype}: only int32 and bool arrays are packed")
         self.size = sum(int(np.prod(shape)) for shape, _ in self.specs)
 

@@ -15,9 +15,11 @@ GPU both loops are also traced: kernel-busy time per step tells device work from
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -115,6 +117,23 @@ def measure(core: Any, batch: int, context: int, steps: int) -> dict[str, Any]:
             "executables": core.num_executables, **busy, **kernels}
 
 
+@contextlib.contextmanager
+def recorded_launches(runner: Any) -> Iterator[list[Any]]:
+    """The SchedulerOutput of every step the runner launches inside the block, in order."""
+    launched: list[Any] = []
+    launch = runner.launch
+
+    def recording_launch(scheduled: Any, *a: Any, **k: Any) -> Any:
+        launched.append(scheduled)
+        return launch(scheduled, *a, **k)
+
+    runner.launch = recording_launch
+    try:
+        yield launched
+    finally:
+        runner.launch = launch
+
+
 def measure_prefill(core: Any, context: int, repeats: int = 6) -> dict[str, Any]:
     """Time to first token of one `context`-token prompt on an idle engine (submit -> its first output, stepping
     the core as its loop does) against the bare forward of that same prefill step (the executable the engine
@@ -127,16 +146,8 @@ def measure_prefill(core: Any, context: int, repeats: int = 6) -> dict[str, Any]
     cfg, runner = core.model.cfg, core.runner
     rng = np.random.default_rng(context)
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
-    launched: list[Any] = []
-    launch = runner.launch
-
-    def recording_launch(scheduled: Any, *a: Any, **k: Any) -> Any:
-        launched.append(scheduled)
-        return launch(scheduled, *a, **k)
-
-    runner.launch = recording_launch
     ttft, first_launch, waits, steps = [], [], [], []
-    try:
+    with recorded_launches(runner) as launched:
         for i in range(repeats + 1):
             req, _ = core.prepare(rng.integers(0, cfg.vocab_size, context).tolist(), params)  # no prefix hit
             got: list[Any] = []
@@ -157,8 +168,6 @@ def measure_prefill(core: Any, context: int, repeats: int = 6) -> dict[str, Any]
                 first_launch.append(launch_s)
                 waits.append((core.stats["device_wait_us"] - w0) / 1e6)
                 steps.append(n)
-    finally:
-        runner.launch = launch
     num_tokens, forward_args, _, _ = runner.inputs(prefill)
     host_args = runner.host_pack("forward", num_tokens).pack(forward_args)
     forward_args = jax.device_put(host_args)

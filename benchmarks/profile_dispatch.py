@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks.bench_engine_step import recorded_launches
 from benchmarks.timing import git_rev
 
 
@@ -73,20 +74,12 @@ def main() -> None:
                         progress=False)
     core = EngineCore(settings)  # never started: this thread steps it
     runner, cfg = core.runner, core.model.cfg
-    launched: list[Any] = []
-    launch = runner.launch
-
-    def recording_launch(scheduled: Any, *a: Any, **k: Any) -> Any:
-        launched.append(scheduled)
-        return launch(scheduled, *a, **k)
-
-    runner.launch = recording_launch
-    req, _ = core.prepare(np.random.default_rng(0).integers(0, cfg.vocab_size, args.context).tolist(),
-                          SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
-    core.submit(req)
-    while core.has_work():
-        core.step()
-    runner.launch = launch
+    with recorded_launches(runner) as launched:
+        req, _ = core.prepare(np.random.default_rng(0).integers(0, cfg.vocab_size, args.context).tolist(),
+                              SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+        core.submit(req)
+        while core.has_work():
+            core.step()
     prefill, decode = launched[0], launched[-1]
 
     calls = {}

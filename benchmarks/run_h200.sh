@@ -14,7 +14,10 @@
 #             BASELINE (default: rev 30e16d2's), in one call (~7 min)
 #   invcost   the bare decode step and a 1k prefill with and without --batch-invariant, kernel by kernel (issue 27)
 #   smoke     engine sizes that are not powers of two
-#   spec      a speculative step's cost against a plain decode step, and the projected speed-up (issue 24)
+#   spec      a speculative step's cost against a plain decode step, and the projected speed-up (issue 24);
+#             the greedy executable and the general one on the same rows
+#   dispatch  the host's time dispatching the engine's prefill and decode executables, with a py-spy native
+#             profile of it (what the dispatch waits for)
 #   slice     the m3-slice decode step at batch 1 / 32 / 128 against its HBM floor (issue 23)
 #   projection  one GPU of a TP8 / EP8 deployment with MXFP8 experts, the small-M linears, the projection (issue 23)
 #   serve     the benchmark contract through `m3jax serve` + `m3jax bench serve`, with the bare step beside it
@@ -80,8 +83,22 @@ for what in "$@"; do
         --out "$OUT/smoke-sizes-h200.json"
       ;;
     spec)
-      timeout "${SPEC_TIMEOUT:-240}" python3 benchmarks/bench_spec.py --batches 1 8 32 64 --ks 1 3 \
-        --context 2048 --out "$OUT/spec-h200.json"
+      timeout "${SPEC_TIMEOUT:-240}" python3 benchmarks/bench_spec.py --model "${MODEL:-m3-slice}" \
+        --batches ${SPEC_BATCHES:-1 8 32 64} --ks 1 3 --context 2048 --also-general \
+        --out "$OUT/spec-${GPU_NAME:-h200}.json"
+      ;;
+    dispatch)
+      # The host's dispatch of the engine's prefill and decode executables, under py-spy's native sampler.
+      gpu="${GPU_NAME:-h200}"
+      timeout 200 python3 benchmarks/profile_dispatch.py --model "${MODEL:-m3-slice}" --seconds 20 \
+        --out "$OUT/dispatch-$gpu.json" > "$OUT/dispatch-$gpu.log" 2>&1 &
+      for _ in $(seq 150); do grep -q READY "$OUT/dispatch-$gpu.log" && break; sleep 1; done
+      pid=$(grep -o "pid=[0-9]*" "$OUT/dispatch-$gpu.log" | cut -d= -f2)
+      /tmp/site/bin/py-spy record --pid "$pid" --native --rate 200 --duration 8 --format raw \
+        -o "$OUT/dispatch-native-$gpu.txt" > /dev/null 2>&1
+      wait
+      python3 benchmarks/profile_dispatch.py --summarise "$OUT/dispatch-native-$gpu.txt" \
+        --out "$OUT/dispatch-native-$gpu.json" | head -20
       ;;
     slice)
       timeout "${SLICE_TIMEOUT:-150}" python3 benchmarks/bench_slice_decode.py --batches 1 32 128 \

@@ -145,8 +145,12 @@ def kernel_sites(model: M3Model, tokens: np.ndarray) -> tuple[list[str], list[st
 
 
 def check_kernel_path(model: M3Model) -> None:
+    """Every kernel family inside a shard_map, in a prefill-shaped step (block-major sparse attention) and a
+    decode-shaped one (the per-token sparse kernel)."""
     inside, outside = kernel_sites(model, TOKENS)
-    assert not outside, f"kernels outside any shard_map: {outside}"
+    decode_inside, decode_outside = kernel_sites(model, TOKENS[:, :1])
+    assert not outside and not decode_outside, f"kernels outside any shard_map: {outside + decode_outside}"
+    inside += decode_inside
     for kind in ("kv_write", "dense_paged_attention", "msa_block_scores", "sparse_paged_attention",
                  "block_major_sparse_attention", "moe_gate_up", "moe_down"):
         assert any(name.startswith(kind) for name in inside), (kind, sorted(set(inside)))

@@ -161,6 +161,27 @@ def _check_features(reference, spec_llm):
     assert spec_llm.generate([prompt], choice, use_tqdm=False)[0].outputs[0].text in ("yes", "no")
 
 
+def test_greedy_steps_run_the_executable_without_conditionals(spec_llm):
+    """A step of plainly greedy rows runs "spec_greedy" (no conditional: its dispatch never waits for the device),
+    one with a sampled row the general "spec"."""
+    runner = spec_llm.core.runner
+    picked: list[str] = []
+    run_spec = runner.run_spec
+
+    def recording(what, *args, **kwargs):
+        picked.append(what)
+        return run_spec(what, *args, **kwargs)
+
+    runner.run_spec = recording
+    try:
+        spec_llm.generate([TEXTS[0]], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+        greedy, picked[:] = set(picked), []
+        spec_llm.generate([TEXTS[0]], SamplingParams(temperature=0.8, seed=3, max_tokens=8), use_tqdm=False)
+    finally:
+        runner.run_spec = run_spec
+    assert greedy == {"spec_greedy"} and set(picked) == {"spec"}
+
+
 def test_aborted_speculative_streams_leave_no_page(spec_llm):
     core = spec_llm.core
     rng = np.random.default_rng(3)

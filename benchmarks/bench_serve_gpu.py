@@ -265,6 +265,8 @@ def main() -> None:
                "ttft_mean_s": m["mean_ttft_ms"] / 1e3, "server_ttft_mean_s": _s(m.get("server_ttft_mean_ms")),
                "server_queue_mean_s": _s(m.get("server_queue_mean_ms")),
                "server_prefill_mean_s": _s(m.get("server_prefill_mean_ms")),
+               "server_handoff_mean_s": _s(m.get("server_handoff_mean_ms")),
+               "server_delivery_mean_s": _s(m.get("server_delivery_mean_ms")),
                "engine_step_period_s": _s(m.get("engine_step_period_ms")),
                "engine_device_wait_per_step_s": _s(m.get("engine_device_wait_ms_per_step")),
                "engine_tokens_per_step": m.get("engine_tokens_per_step"),

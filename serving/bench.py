@@ -227,8 +227,10 @@ DECODE_COUNTERS = ("m3jax_engine_decode_steps_total", "m3jax_engine_decode_step_
 
 # What the server's TTFT is made of (serving/metrics.py): sums and counts of the time to the first token, the
 # queue time (arrival to the first chunk's scheduling) and the prefill time (from there to the first token).
-PHASE_COUNTERS = tuple(f"vllm:{h}_{part}" for h in ("time_to_first_token_seconds", "request_queue_time_seconds",
-                                                      "request_prefill_time_seconds") for part in ("sum", "count"))
+PHASE_COUNTERS = (*(f"vllm:{h}_{part}" for h in ("time_to_first_token_seconds", "request_queue_time_seconds",
+                                                  "request_prefill_time_seconds") for part in ("sum", "count")),
+                  *(f"m3jax_{h}_{part}" for h in ("request_handoff_seconds", "first_token_delivery_seconds")
+                    for part in ("sum", "count")))
 
 # All of the engine's steps (prefills and mixed ones too): count, the engine thread's time blocked on the device,
 # tokens. Little wait per step means the host, not the device, sets the pace.
@@ -268,10 +270,11 @@ def decode_step(before: tuple[float, ...] | None, after: tuple[float, ...] | Non
 
 
 def phase_means(before: tuple[float, ...] | None, after: tuple[float, ...] | None) -> dict[str, float | None]:
-    """The server's mean TTFT, queue and prefill time in ms between two PHASE_COUNTERS readings (None where the
-    server does not report one)."""
+    """The server's mean TTFT, queue and prefill time, and the request's hand-off to the engine and its first
+    token's delivery back, in ms between two PHASE_COUNTERS readings (None where the server does not report one)."""
     out: dict[str, float | None] = {}
-    for i, key in enumerate(("server_ttft_mean_ms", "server_queue_mean_ms", "server_prefill_mean_ms")):
+    for i, key in enumerate(("server_ttft_mean_ms", "server_queue_mean_ms", "server_prefill_mean_ms",
+                             "server_handoff_mean_ms", "server_delivery_mean_ms")):
         n = after[2 * i + 1] - before[2 * i + 1] if before and after else 0
         out[key] = (after[2 * i] - before[2 * i]) / n * 1e3 if n > 0 else None
     return out

@@ -96,6 +96,13 @@ class ServerMetrics:
                                "the scheduling of its first chunk", registry=r, buckets=_TTFT_BUCKETS)
         self.prefill = Histogram("m3jax_request_prefill_time_seconds", "Time from the scheduling of a request's "
                                  "first chunk to its first token", registry=r, buckets=_TTFT_BUCKETS)
+        # The rest of the server's TTFT, outside the engine (both clocks are the host's monotonic clock, which the
+        # engine process shares): the request's way in and its first token's way out.
+        self.handoff = Histogram("m3jax_request_handoff_seconds", "Time from the server's receipt of a request to "
+                                 "the engine's arrival of it (checks, tokenisation, the hand-over to the engine "
+                                 "process)", registry=r, buckets=_TTFT_BUCKETS)
+        self.delivery = Histogram("m3jax_first_token_delivery_seconds", "Time from the engine's first token of a "
+                                  "request to the server's handler", registry=r, buckets=_TTFT_BUCKETS)
         self.prompt_tokens = Counter("m3jax_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
         self.generation_tokens = Counter("m3jax_generation_tokens", "Generated tokens", registry=r)
         self.requests = Counter("m3jax_requests", "Requests admitted by a server, by API and how they ended "
@@ -142,9 +149,11 @@ class ServerMetrics:
 
     # ---- what the servers report ------------------------------------------------------------------------------
     def first_token(self, ttft: float, prompt_tokens: int, *, queue: float | None = None,
-                    prefill: float | None = None) -> None:
+                    prefill: float | None = None, handoff: float | None = None,
+                    delivery: float | None = None) -> None:
         """A request's first token, `ttft` seconds after the server received it; `queue` and `prefill` split the
-        engine's part of that wait (arrival to the first chunk's scheduling, then to the first token)."""
+        engine's part of that wait (arrival to the first chunk's scheduling, then to the first token), `handoff`
+        and `delivery` the rest (the server's receipt to the engine's arrival; the first token to the server)."""
         self.ttft.observe(ttft)
         self.v_ttft.observe(ttft)
         if queue is not None and prefill is not None:
@@ -152,6 +161,9 @@ class ServerMetrics:
             self.v_queue.observe(queue)
             self.prefill.observe(prefill)
             self.v_prefill.observe(prefill)
+        if handoff is not None and delivery is not None:
+            self.handoff.observe(max(handoff, 0.0))
+            self.delivery.observe(max(delivery, 0.0))
         self.prompt_tokens.inc(prompt_tokens)
         self.v_prompt_tokens.inc(prompt_tokens)
         self.prompt_tokens_count += prompt_tokens

@@ -373,7 +373,8 @@ class RequestStream:
             if self._first is None:
                 self._first = now
                 t = out.metrics
-                phases = ({"queue": t["scheduled"] - t["arrival"], "prefill": t["first_token"] - t["scheduled"]}
+                phases = ({"queue": t["scheduled"] - t["arrival"], "prefill": t["first_token"] - t["scheduled"],
+                           "handoff": t["arrival"] - self.arrival, "delivery": now - t["first_token"]}
                           if {"arrival", "scheduled", "first_token"} <= t.keys() else {})
                 m.first_token(now - self.arrival, self.num_prompt_tokens, **phases)
             m.tokens(n, now - self._last if self._last is not None else None)

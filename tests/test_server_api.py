@@ -536,6 +536,10 @@ def test_vllm_metric_names_parse_with_prometheus_client(server):
                                                                        "_count") == n
     engine = value("vllm:request_queue_time_seconds", "_sum") + value("vllm:request_prefill_time_seconds", "_sum")
     assert 0 < engine <= value("vllm:time_to_first_token_seconds", "_sum")
+    # The rest of it: the request's hand-off to the engine, and its first token's way back to the handler.
+    outside = value("m3jax_request_handoff_seconds", "_sum") + value("m3jax_first_token_delivery_seconds", "_sum")
+    assert value("m3jax_request_handoff_seconds", "_count") == n and outside > 0
+    assert engine + outside == pytest.approx(value("vllm:time_to_first_token_seconds", "_sum"), rel=1e-6)
     assert value("m3jax_request_prefill_time_seconds", "_sum") == value("vllm:request_prefill_time_seconds", "_sum")
     assert {s.labels["finished_reason"] for s in families["vllm:request_success"].samples} >= {
         "stop", "length", "abort", "error"}

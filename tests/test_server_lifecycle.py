@@ -152,6 +152,10 @@ def test_bench_serve_writes_results_and_plot(server, tmp_path):
         # What the server's TTFT is made of: its queue and prefill parts sum to no more than the whole.
         assert m["server_prefill_mean_ms"] > 0 and m["server_queue_mean_ms"] >= 0
         assert m["server_queue_mean_ms"] + m["server_prefill_mean_ms"] <= m["server_ttft_mean_ms"] + 1e-6
+        # With the hand-off to the engine before them and the first token's delivery after, they are all of it.
+        parts = ("handoff", "queue", "prefill", "delivery")
+        assert sum(m[f"server_{p}_mean_ms"] for p in parts) == pytest.approx(m["server_ttft_mean_ms"], rel=1e-6)
+        assert m["server_handoff_mean_ms"] > 0 and m["server_delivery_mean_ms"] > 0
         # Every step of the level, prefills included: its period and the engine thread's wait for the device.
         assert m["engine_steps"] > 0 and 0 <= m["engine_device_wait_ms_per_step"] <= m["engine_step_period_ms"]
         assert m["engine_tokens_per_step"] >= 1

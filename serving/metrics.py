@@ -162,8 +162,8 @@ class ServerMetrics:
             self.prefill.observe(prefill)
             self.v_prefill.observe(prefill)
         if handoff is not None and delivery is not None:
-            self.handoff.observe(max(handoff, 0.0))
-            self.delivery.observe(max(delivery, 0.0))
+            self.handoff.observe(handoff)
+            self.delivery.observe(delivery)
         self.prompt_tokens.inc(prompt_tokens)
         self.v_prompt_tokens.inc(prompt_tokens)
         self.prompt_tokens_count += prompt_tokens

@@ -102,10 +102,9 @@ class StepFailed(RuntimeError):
 
 class HostPack:
     """A forward's host arrays (its Batch, prev_index, HistoryRows and, for prompt logprobs, the targets) as one
-    int32 array: one host-to-device copy a step instead of twelve. On the H100 the twelve cost 0.38-0.61 ms of
-    host time a call against 0.19-0.22 ms for one packed array (benchmarks/probe_host_args.py,
-    benchmarks/results/engine-prefill-h100-1moe-214053d/host-args-h100.json), at a batch-1 step's pace of
-    about 1.5 ms. The layout is fixed per executable (its token bucket), so it is a static part of the call."""
+    int32 array: one host-to-device copy a step instead of twelve, which on the H100 halves the host time the
+    copies take (docs/benchmarks.md, "The engine's prefill, kernel by kernel"). The layout is fixed per
+    executable (its token bucket), so it is closed over by its function."""
 
     def __init__(self, example: Any):
         leaves, self.treedef = jax.tree.flatten(example)
@@ -114,15 +113,6 @@ class HostPack:
             if dtype not in (np.dtype(np.int32), np.dtype(np.bool_)):
                 raise TypeError(f"host array of dtype {dtype}: only int32 and bool arrays are packed")
         self.size = sum(int(np.prod(shape)) for shape, _ in self.specs)
-
-    def _key(self) -> tuple[Any, ...]:
-        return self.treedef, self.specs
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, HostPack) and self._key() == other._key()
-
-    def __hash__(self) -> int:
-        return hash(self._key())
 
     def pack(self, tree: Any) -> np.ndarray:
         out = np.empty(self.size, np.int32)

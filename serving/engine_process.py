@@ -103,11 +103,11 @@ class _Outbox:
 
 
 def _build_in_child(settings: Settings, conn: Any) -> EngineCore:
-    """The engine, built as `m3jax serve` builds it in one process (the same stage log lines); each stage is also
-    told to the servers' process, whose signal handler names it."""
+    """The engine, built as `m3jax serve` builds it in one process; each stage and its log line go to the servers'
+    process, which enters the stage and then logs the line (so that its signal handler names that stage)."""
     from serving import server
 
-    server.stage_listener = lambda stage: conn.send_bytes(pickle.dumps(("stage", stage)))
+    server.stage_listener = lambda stage, line: conn.send_bytes(pickle.dumps(("stage", stage, line)))
     return server.build_engine(settings)
 
 
@@ -213,7 +213,7 @@ class RemoteCore:
     prepare / submit / abort / shutdown, the facts and the load figures. Requests are checked and tokenised
     here; outputs come back as deltas and are made whole here."""
 
-    def __init__(self, settings: Settings, on_stage: Callable[[str], None] | None = None,
+    def __init__(self, settings: Settings, on_stage: Callable[[str, str], None] | None = None,
                  on_exit: Callable[[], None] | None = None):
         self.settings = settings
         self.on_exit = on_exit  # called (on the reader thread) if the engine process ends unasked
@@ -248,7 +248,7 @@ class RemoteCore:
     def _recv(self) -> Any:
         return pickle.loads(self._conn.recv_bytes())
 
-    def _wait_ready(self, on_stage: Callable[[str], None] | None) -> EngineFacts:
+    def _wait_ready(self, on_stage: Callable[[str, str], None] | None) -> EngineFacts:
         while True:
             try:
                 kind, *args = self._recv()
@@ -256,9 +256,11 @@ class RemoteCore:
                 self._proc.join(5)
                 raise EngineProcessExited(f"the engine process exited during start-up (exit code "
                                           f"{self._proc.exitcode})") from None
-            if kind == "stage":
+            if kind == "stage":  # (a stage, its log line)
                 if on_stage is not None:
-                    on_stage(args[0])
+                    on_stage(*args)
+                else:
+                    log.info("%s", args[1], extra={"stage": args[0]})
             elif kind == "error":
                 self._proc.join(5)
                 raise args[0]

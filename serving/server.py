@@ -835,22 +835,23 @@ def _bind(host: str, port: int, what: str) -> socket.socket:
 _stage = "starting"
 
 
-# In the engine process: tells the servers' process each stage (whose signal handler names it).
-stage_listener: Callable[[str], None] | None = None
+# In the engine process: hands each stage and its log line to the servers' process, which logs it.
+stage_listener: Callable[[str, str], None] | None = None
 
 
 def _set_stage(stage: str, message: str, *args: Any) -> None:
-    global _stage
-    _stage = stage
-    log.info(message, *args, extra={"stage": stage})
     if stage_listener is not None:
-        stage_listener(stage)
+        stage_listener(stage, message % args)
+    else:
+        _note_stage(stage, message % args)
 
 
-def _note_stage(stage: str) -> None:
-    """A stage the engine process reached (and logged)."""
+def _note_stage(stage: str, line: str) -> None:
+    """Enter a stage, then log its line: a signal that follows the line names this stage. The engine process's
+    stages are logged here too, not there, or a signal could land between its line and the news of its stage."""
     global _stage
     _stage = stage
+    log.info("%s", line, extra={"stage": stage})
 
 
 def _exit_during_startup(signum: int, frame: types.FrameType | None) -> None:

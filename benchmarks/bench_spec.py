@@ -7,15 +7,19 @@ weights make acceptance meaningless, so this times the work: at batch B, each re
   back;
 - spec k: the engine's speculative step (the target over B rows of 1 + k tokens, verification, the draft's
   first pass and k - 1 chained passes), back to back: "spec_greedy", the executable the engine runs for greedy
-  rows (rows that sample take "spec", whose sampling conditionals make the dispatch wait for the device).
-Both are the executables the engine runs, timed inside their jitted graphs with only dispatch between them.
+  rows.
+With `--sampled` every row samples at temperature 1.0 with top_p 0.95 (as agents' clients ask): the plain step is
+the forward and then its "sample_filter" executable, the speculative one "spec_filter". `--also-general` times the
+same rows through "spec" too, whose sampling conditionals make the dispatch wait for the device (the executable of
+steps with a penalty or a grammar). All are the executables the engine runs, timed inside their jitted graphs with
+only dispatch between them.
 
 A token then costs plain / 1 without speculation and spec_k / L with it, L the mean accepted length (accepted
 drafts + 1), so the projected speed-up is L * plain / spec_k, given here at InferenceX's M3 EAGLE3 acceptance
 lengths (SPEED-Bench coding, temperature 1.0). On the full 60-layer model the target's share of the step grows
 with its depth while the draft's does not, so these slice projections understate the full model's.
 
-    PYTHONPATH=. python benchmarks/bench_spec.py [--batches 1 8 32 64] [--ks 1 3] [--context 2048]
+    PYTHONPATH=. python benchmarks/bench_spec.py [--batches 1 8 32 64] [--ks 1 3] [--context 2048] [--sampled]
 """
 
 from __future__ import annotations
@@ -45,43 +49,51 @@ def _time(fn: Any, steps: int) -> float:
     return (time.perf_counter() - t0) / steps
 
 
-def _rows(batch: int, context: int, k: int, pages_per_row: int, ps: int, vocab: int) -> list[Any]:
+def _rows(batch: int, context: int, k: int, pages_per_row: int, ps: int, vocab: int, sampled: bool) -> list[Any]:
     from serving.outputs import SamplingParams
     from serving.scheduler import ScheduledRow
 
     rng = np.random.default_rng(batch * 10 + k)
-    greedy = SamplingParams(temperature=0.0)
     return [ScheduledRow(i, rng.integers(0, vocab, 1 + k).tolist(), context,
-                         list(range(1 + i * pages_per_row, 1 + (i + 1) * pages_per_row)), True, i, greedy, context, 0,
-                         k) for i in range(batch)]
+                         list(range(1 + i * pages_per_row, 1 + (i + 1) * pages_per_row)), True, i,
+                         SamplingParams(temperature=1.0, top_p=0.95, seed=i) if sampled else
+                         SamplingParams(temperature=0.0), context, 0, k) for i in range(batch)]
 
 
-def _plain(model: Any, batch: int, context: int, num_pages: int, pages_per_row: int, max_len: int, steps: int
-           ) -> tuple[float, float]:
-    """(seconds per plain decode step, compile seconds)."""
+def _plain(model: Any, batch: int, context: int, num_pages: int, pages_per_row: int, max_len: int, steps: int,
+           sampled: bool) -> tuple[float, float, str]:
+    """(seconds per plain decode step, compile seconds, its sampling variant)."""
     import jax
 
     from serving.runner import ModelRunner
+    from serving.sampling import GREEDY_VARIANT, variant
     from serving.scheduler import SchedulerOutput
 
     vocab = model.cfg.vocab_size
     plain = ModelRunner(model, num_pages, batch, batch, max_len)
-    scheduled = SchedulerOutput(_rows(batch, context, 0, pages_per_row, model.page_size, vocab), [])
+    scheduled = SchedulerOutput(_rows(batch, context, 0, pages_per_row, model.page_size, vocab, sampled), [])
     num_tokens, forward_args, sampling, _ = plain.inputs(scheduled)
-    assert sampling is None  # greedy rows: the forward's own argmax is the step's sampling, as in the engine
+    # Greedy rows: the forward's own argmax is the step's sampling; sampled ones: the variant's executable after it.
+    how = GREEDY_VARIANT if sampling is None else variant(sampling, batch, vocab, constrained=False,
+                                                          want_logprobs=False)
     host = jax.device_put(plain.host_pack("forward", num_tokens).pack(forward_args))
     fwd = plain.executable("forward", num_tokens)
+    if sampling is not None:
+        sample_exe = plain.executable(how, sampling.num_rows)
+        sampling = jax.device_put(sampling)
 
     def plain_step() -> Any:
-        plain.kv, plain.history, _, (plain.prev_tokens, out) = fwd(model.params, plain.kv, plain.history,
-                                                                   plain.prev_tokens, host)
+        plain.kv, plain.history, logits, (plain.prev_tokens, out) = fwd(model.params, plain.kv, plain.history,
+                                                                        plain.prev_tokens, host)
+        if sampling is not None:
+            plain.prev_tokens, out = sample_exe(logits, sampling)
         return out.tokens
 
-    return _time(plain_step, steps), sum(e["seconds"] for e in plain.compile_log)
+    return _time(plain_step, steps), sum(e["seconds"] for e in plain.compile_log), how
 
 
 def measure(model: Any, draft_cfg: Any, draft_params: Any, batch: int, context: int, ks: list[int], steps: int,
-            also_general: bool = False) -> dict[str, Any]:
+            also_general: bool = False, sampled: bool = False) -> dict[str, Any]:
     import jax
 
     from serving.runner import Draft, ModelRunner
@@ -92,13 +104,14 @@ def measure(model: Any, draft_cfg: Any, draft_params: Any, batch: int, context: 
     num_pages = 1 + batch * pages_per_row
     max_len = pages_per_row * ps
     vocab = model.cfg.vocab_size
-    rec: dict[str, Any] = {"batch": batch, "context": context}
+    rec: dict[str, Any] = {"batch": batch, "context": context,
+                           "sampling": "temperature 1.0, top_p 0.95" if sampled else "greedy"}
 
-    rec["plain_step_s"], rec["plain_compile_s"] = _plain(model, batch, context, num_pages, pages_per_row, max_len,
-                                                         steps)
+    rec["plain_step_s"], rec["plain_compile_s"], rec["plain_sampling"] = _plain(
+        model, batch, context, num_pages, pages_per_row, max_len, steps, sampled)
     for k in ks:
         runner = ModelRunner(model, num_pages, batch, batch * (1 + k), max_len, draft=Draft(draft_cfg, draft_params, k))
-        scheduled = SchedulerOutput(_rows(batch, context, k, pages_per_row, ps, vocab), [])
+        scheduled = SchedulerOutput(_rows(batch, context, k, pages_per_row, ps, vocab, sampled), [])
         num_tokens, inputs = runner.spec_inputs(scheduled)
         what = runner.spec_variant(inputs, None, False)  # the engine's choice for these rows
         inputs = jax.device_put(inputs)
@@ -127,6 +140,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--also-general", action="store_true",
                     help="also time the general speculative executable (sampling under conditionals) on the same rows")
+    ap.add_argument("--sampled", action="store_true",
+                    help="rows sample (temperature 1.0, top_p 0.95) instead of greedy")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
@@ -157,11 +172,12 @@ def main() -> None:
     records = []
     for b in args.batches:
         rec = {"op": "spec_step", "model": args.model, **measure(model, dcfg, draft_params, b, args.context, args.ks,
-                                                                  args.steps, args.also_general),
+                                                                  args.steps, args.also_general, args.sampled),
                "device": device, "git_rev": git_rev(), "acceptance_lengths": ACCEPTANCE}
         print(json.dumps(rec), flush=True)
         records.append(rec)
-    name = "spec-h200.json" if "H200" in device else f"spec-{device.replace(' ', '_')}.json"
+    name = "spec-h200" if "H200" in device else f"spec-{device.replace(' ', '_')}"
+    name += "-sampled.json" if args.sampled else ".json"
     out = Path(args.out or f"benchmarks/results/{name}")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(records, indent=2) + "\n")

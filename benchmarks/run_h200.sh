@@ -86,6 +86,10 @@ for what in "$@"; do
       timeout "${SPEC_TIMEOUT:-240}" python3 benchmarks/bench_spec.py --model "${MODEL:-m3-slice}" \
         --batches ${SPEC_BATCHES:-1 8 32 64} --ks 1 3 --context 2048 --also-general \
         --out "$OUT/spec-${GPU_NAME:-h200}.json"
+      # Sampled rows (temperature 1.0, top_p 0.95): "spec_filter" against forward + "sample_filter".
+      timeout "${SPEC_TIMEOUT:-240}" python3 benchmarks/bench_spec.py --model "${MODEL:-m3-slice}" \
+        --batches ${SPEC_BATCHES:-1 8 32 64} --ks 3 --context 2048 --also-general --sampled \
+        --out "$OUT/spec-${GPU_NAME:-h200}-sampled.json"
       ;;
     dispatch)
       # The host's dispatch of the engine's prefill and decode executables, under py-spy's native sampler.

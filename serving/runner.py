@@ -14,8 +14,8 @@ constraints, the sampling; `sample` dispatches a deferred sampling; `collect` wa
 
 Shapes: one forward executable per token bucket and three sampling executables per row count (the general one, and
 two without a conditional for steps with no penalty, bias or grammar: drawing, filtering; chosen on the host by
-`sampling.variant`, whose third plain variant, all greedy, is the forward's own output); with speculation, two
-speculative executables per token bucket instead (`SPEC_VARIANTS`). The token count of a
+`sampling.variant`, whose third plain variant, all greedy, is the forward's own output); with speculation, one
+speculative executable per token bucket and sampling variant instead (`SPEC_VARIANTS`). The token count of a
 step is padded to the next bucket (powers of two from 8 up to `max_num_batched_tokens`) and its rows to
 min(bucket, max_num_seqs), the most rows that many tokens can hold, so the row count never multiplies the
 executables. The page table is always `max_model_len / page_size` wide (attention shapes never depend on the
@@ -54,17 +54,17 @@ from serving.request import PLACEHOLDER
 from serving.sampling import (
     GREEDY_VARIANT,
     PLAIN_VARIANTS,
+    VARIANTS,
     HistoryRows,
     PenaltyHistory,
     PromptLogprobs,
     SampleOutput,
     SamplingTensors,
     TokenConstraints,
-    greedy,
     plainly_greedy,
     prompt_logprobs,
     record_history,
-    sample,
+    sample_as,
     uses_penalty,
     variant,
 )
@@ -73,7 +73,10 @@ from serving.speculative import SpecOutput, spec_step
 
 log = logging.getLogger(__name__)
 
-SPEC_VARIANTS = ("spec", "spec_greedy")  # the speculative executables of a token bucket (`spec_variant`)
+# The speculative executables of a token bucket, one per sampling variant (`sampling.variant`): "spec" (the general
+# sampling), "spec_greedy", "spec_draw", "spec_filter".
+SPEC_OF = {how: "spec" + how.removeprefix("sample") for how in VARIANTS}
+SPEC_VARIANTS = tuple(SPEC_OF.values())
 
 
 class _Greedy:
@@ -211,20 +214,20 @@ def _forward(params: Any, kv: KVPages, history: PenaltyHistory, prev_tokens: jax
 
 def _sample(logits: jax.Array, history: PenaltyHistory, sampling: SamplingTensors, constraints: TokenConstraints,
             *, max_logprobs: int, num_prev: int) -> tuple[jax.Array, SampleOutput]:
-    return _with_next_prev(sample(logits, sampling, max_logprobs, history, constraints), num_prev)
+    return _with_next_prev(sample_as("sample", logits, sampling, max_logprobs, history, constraints), num_prev)
 
 
 def _sample_greedy(logits: jax.Array, *, max_logprobs: int, num_prev: int) -> tuple[jax.Array, SampleOutput]:
     """The "sample_greedy" variant (`sampling.variant`: every row plainly greedy), computed inside every forward:
     an argmax over the logits costs the device microseconds, a dispatch of its own the host far more."""
-    return _with_next_prev(greedy(logits, max_logprobs), num_prev)
+    return _with_next_prev(sample_as(GREEDY_VARIANT, logits, None, max_logprobs), num_prev)
 
 
-def _sample_plain(logits: jax.Array, sampling: SamplingTensors, *, filtered: bool, max_logprobs: int,
+def _sample_plain(logits: jax.Array, sampling: SamplingTensors, *, how: str, max_logprobs: int,
                   num_prev: int) -> tuple[jax.Array, SampleOutput]:
     """The "sample_draw" / "sample_filter" executables: a step with sampled rows and no penalty, bias or grammar
     (`sampling.variant`); `sample` with its choices made on the host, so it holds no conditional."""
-    return _with_next_prev(sample(logits, sampling, max_logprobs, filtered=filtered, drawn=True), num_prev)
+    return _with_next_prev(sample_as(how, logits, sampling, max_logprobs), num_prev)
 
 
 def _with_next_prev(sampled: SampleOutput, num_prev: int) -> tuple[jax.Array, SampleOutput]:
@@ -247,9 +250,9 @@ class ModelRunner:
         self.cache = ExecutableCache(cache_dir) if cache_dir is not None else None
         self._fns = {
             "sample": jax.jit(functools.partial(_sample, max_logprobs=MAX_LOGPROBS, num_prev=max_num_seqs)),
-            **{f"sample_{how}": jax.jit(functools.partial(_sample_plain, filtered=how == "filter",
-                                                          max_logprobs=MAX_LOGPROBS, num_prev=max_num_seqs))
-               for how in ("draw", "filter")},
+            **{how: jax.jit(functools.partial(_sample_plain, how=how, max_logprobs=MAX_LOGPROBS,
+                                              num_prev=max_num_seqs))
+               for how in PLAIN_VARIANTS if how != GREEDY_VARIANT},
         }
         # Prompt logprobs: a second forward per token bucket (every token's logprobs), used only by steps that
         # hold such a request, so that the others pay nothing.
@@ -257,12 +260,13 @@ class ModelRunner:
         self._packs: dict[tuple[str, int], HostPack] = {}
         self.draft = draft
         if draft is not None:
-            # One executable a step: target, verification and the draft's passes (serving/speculative.py); two
-            # per bucket: "spec_greedy" for steps of plainly greedy rows (no conditional), "spec" for the rest.
-            for what in SPEC_VARIANTS:
+            # One executable a step: target, verification and the draft's passes (serving/speculative.py); one per
+            # bucket and sampling variant (`SPEC_OF`), so that only steps with a penalty or a grammar hold a
+            # conditional.
+            for how, what in SPEC_OF.items():
                 self._fns[what] = jax.jit(functools.partial(
                     spec_step, cfg=self.cfg, dcfg=draft.dcfg, kernels=model.kernels, k=draft.k,
-                    max_logprobs=MAX_LOGPROBS, greedy=what == "spec_greedy"), donate_argnums=(2, 3, 4),
+                    max_logprobs=MAX_LOGPROBS, how=how), donate_argnums=(2, 3, 4),
                     compiler_options=model.kernels.compiler_options)
         self._executables: dict[tuple[str, int], Callable[..., Any]] = {}
         self._no_constraints: dict[int, TokenConstraints] = {}  # device copies of the empty constraints, by rows
@@ -310,7 +314,7 @@ class ModelRunner:
         elif what in ("forward", "forward_plp"):
             host = (np.zeros(self.host_pack(what, size).size, np.int32),)
             device = (self.model.params, self.kv, self.history, self.prev_tokens)
-        elif what in ("sample_draw", "sample_filter"):
+        elif what in PLAIN_VARIANTS:
             host = (SamplingTensors.build([], [], size, num_slots=self.max_num_seqs),)
             device = (jax.ShapeDtypeStruct((size, V), jnp.float32, sharding=replicated),)
         else:
@@ -589,11 +593,9 @@ class ModelRunner:
         return num_tokens, SpecInputs(batch, history_rows, sampling, draft_next.reshape(-1), row_next, num_logits)
 
     def spec_variant(self, inputs: SpecInputs, constraints: TokenConstraints | None, want_logprobs: bool) -> str:
-        """The speculative executable for a step with host `inputs`: "spec_greedy" when every row is plainly
-        greedy (`sampling.variant`'s greedy case), else "spec"."""
-        how = variant(inputs.sampling, self.max_num_seqs, self.cfg.vocab_size, constrained=constraints is not None,
-                      want_logprobs=want_logprobs)
-        return "spec_greedy" if how == GREEDY_VARIANT else "spec"
+        """The speculative executable for a step with host `inputs`: its sampling variant's (`SPEC_OF`)."""
+        return SPEC_OF[variant(inputs.sampling, self.max_num_seqs, self.cfg.vocab_size,
+                               constrained=constraints is not None, want_logprobs=want_logprobs)]
 
     def run_spec(self, what: str, num_tokens: int, inputs: SpecInputs,
                  constraints: TokenConstraints | None) -> SpecOutput:

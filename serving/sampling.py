@@ -495,6 +495,22 @@ def greedy_verify(logits: jax.Array, drafts: jax.Array, max_logprobs: int) -> Sa
 # gives, without its conditionals. Anything else takes the general "sample".
 GREEDY_VARIANT = "sample_greedy"  # computed inside the forward executable (serving/runner.py), not on its own
 PLAIN_VARIANTS = (GREEDY_VARIANT, "sample_draw", "sample_filter")
+VARIANTS = ("sample", *PLAIN_VARIANTS)
+
+
+def sample_as(how: str, logits: jax.Array, t: SamplingTensors | None, max_logprobs: int,
+              history: PenaltyHistory | None = None, constraints: TokenConstraints | None = None,
+              drafts: jax.Array | None = None) -> SampleOutput:
+    """`sample` as variant `how` (`variant`, one of `VARIANTS`) runs it: the plain variants with the choices made
+    on the host (no conditional; `history` and `constraints` unread), "sample" with everything and its
+    conditionals. `drafts`: a speculative step's (see `sample`)."""
+    if how == GREEDY_VARIANT:
+        return greedy(logits, max_logprobs) if drafts is None else greedy_verify(logits, drafts, max_logprobs)
+    if how in PLAIN_VARIANTS:
+        return sample(logits, t, max_logprobs, drafts=drafts, filtered=how == "sample_filter", drawn=True)
+    if how != "sample":
+        raise ValueError(f"unknown sampling variant {how!r} (one of {VARIANTS})")
+    return sample(logits, t, max_logprobs, history, constraints, drafts=drafts)
 
 
 def variant(t: SamplingTensors, num_slots: int, vocab_size: int, *, constrained: bool, want_logprobs: bool) -> str:

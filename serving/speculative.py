@@ -38,9 +38,8 @@ from serving.sampling import (
     PenaltyHistory,
     SamplingTensors,
     TokenConstraints,
-    greedy_verify,
     record_history,
-    sample,
+    sample_as,
 )
 
 
@@ -73,21 +72,20 @@ def chain_batch(batch: Batch, tokens_R: jax.Array, positions_R: jax.Array, valid
 def spec_step(params: Any, draft_params: Any, kv: KVPages, draft_pages: DraftPages, history: PenaltyHistory,
               batch: Batch, history_rows: HistoryRows, sampling: SamplingTensors, constraints: TokenConstraints,
               draft_next_L: jax.Array, row_next_R: jax.Array, num_logits_R: jax.Array, *, cfg: Any,
-              dcfg: DraftConfig, kernels: KernelChoice, k: int, max_logprobs: int, greedy: bool = False
+              dcfg: DraftConfig, kernels: KernelChoice, k: int, max_logprobs: int, how: str = "sample"
               ) -> tuple[KVPages, DraftPages, PenaltyHistory, SpecOutput]:
     """The whole speculative step (the module docstring). `batch.logit_rows` is the [R, 1 + k] grid of
     `build_batch(..., logits_per_row=1 + k)`; `draft_next_L` the draft token following each logit row (-1:
     none); `row_next_R` the token following a row's last position when it samples nothing (the next prompt
     token of a chunk that stops short of the prompt's end); `num_logits_R` each row's logit rows (0, 1 or 1 + its
-    drafts). `greedy` (static, the "spec_greedy" executable): every row is plainly greedy, so the verification is
-    `greedy_verify`, with no conditional (`sampling`, `constraints` and the history then go unread)."""
+    drafts). `how` (static): the step's sampling variant (`sampling.variant`), which the verification runs
+    (`sampling.sample_as`): all but "sample" hold no conditional (and read no history or constraints)."""
     R = batch.page_table.shape[0]
     W = 1 + k
     history = record_history(history, history_rows, batch.token_ids, batch.token_row, batch.positions,
                              batch.query_start[-1])
     out = forward(params, cfg, kv, batch, kernels, capture=dcfg.aux_layer_ids)
-    s = (greedy_verify(out.logits, draft_next_L, max_logprobs) if greedy else
-         sample(out.logits, sampling, max_logprobs, history, constraints, drafts=draft_next_L))
+    s = sample_as(how, out.logits, sampling, max_logprobs, history, constraints, drafts=draft_next_L)
 
     # Acceptance: a request emits its leading accepted drafts, then the rejected position's residual draw, or
     # the bonus token (the last position's own draw) when every draft was accepted.

@@ -102,7 +102,8 @@ def test_greedy_output_is_exactly_the_output_without_speculation(reference, rand
 def spec_llm():
     settings = dict(BASE, warmup=True)  # every speculative step shape made at start-up
     with LLM(**settings, speculative_config={"method": "eagle3", "num_speculative_tokens": 3}) as llm:
-        assert llm.core.runner.shapes() == [(what, size) for what in ("spec", "spec_greedy") for size in (8, 16, 32)]
+        assert llm.core.runner.shapes() == [(what, size) for what in ("spec", "spec_greedy", "spec_draw", "spec_filter")
+                                          for size in (8, 16, 32)]
         yield llm
 
 
@@ -162,8 +163,9 @@ def _check_features(reference, spec_llm):
 
 
 def test_greedy_steps_run_the_executable_without_conditionals(spec_llm):
-    """A step of plainly greedy rows runs "spec_greedy" (no conditional: its dispatch never waits for the device),
-    one with a sampled row the general "spec"."""
+    """Each step runs its sampling variant's executable: plainly greedy rows "spec_greedy", sampled rows
+    "spec_draw", filtered ones "spec_filter" (none of these has a conditional: their dispatch never waits for the
+    device), and a penalised row the general "spec"."""
     runner = spec_llm.core.runner
     picked: list[str] = []
     run_spec = runner.run_spec
@@ -173,13 +175,19 @@ def test_greedy_steps_run_the_executable_without_conditionals(spec_llm):
         return run_spec(what, *args, **kwargs)
 
     runner.run_spec = recording
+    cases = {"spec_greedy": SamplingParams(temperature=0.0, max_tokens=8),
+             "spec_draw": SamplingParams(temperature=0.8, seed=3, max_tokens=8),
+             "spec_filter": SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=8),
+             "spec": SamplingParams(temperature=0.8, presence_penalty=0.5, seed=3, max_tokens=8)}
+    seen = {}
     try:
-        spec_llm.generate([TEXTS[0]], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
-        greedy, picked[:] = set(picked), []
-        spec_llm.generate([TEXTS[0]], SamplingParams(temperature=0.8, seed=3, max_tokens=8), use_tqdm=False)
+        for what, params in cases.items():
+            picked.clear()
+            spec_llm.generate([TEXTS[0]], params, use_tqdm=False)
+            seen[what] = set(picked)
     finally:
         runner.run_spec = run_spec
-    assert greedy == {"spec_greedy"} and set(picked) == {"spec"}
+    assert seen == {what: {what} for what in cases}
 
 
 def test_aborted_speculative_streams_leave_no_page(spec_llm):
@@ -252,7 +260,9 @@ def test_server_with_speculation_reports_acceptance(tmp_path_factory, reference)
     from serving_helpers import REPO, ServerProcess, scrape
 
     tmp = tmp_path_factory.mktemp("spec-server")
-    srv = ServerProcess(["--speculative-config", _spec(3)], tmp / "server.log")
+    # --no-warmup: only the executables these greedy requests run are compiled (spec_llm checks the warm-up of
+    # every variant).
+    srv = ServerProcess(["--speculative-config", _spec(3), "--no-warmup"], tmp / "server.log")
     try:
         body = json.dumps({"prompt": TEXTS[2], "max_tokens": 24, "temperature": 0}).encode()
         req = urllib.request.Request(srv.http_url + "/v1/completions", body, {"Content-Type": "application/json"})

@@ -340,8 +340,8 @@ def moe_ep_device(h_TD: jax.Array, p: dict, *, device: jax.Array | int, num_devi
     idx_TK, w_TK = route(h_TD, p["router"], p["router_bias"], top_k, routing.get("router_logits"))
     t = jnp.arange(T, dtype=jnp.int32)
     pad_T = t >= num_valid
-    idx_TK = jnp.where(pad_T[:, None], idx_TK[:1], idx_TK)  # padding rows: the first row's experts (moe_pallas)
-    mine_TK = (idx_TK >= me * El) & (idx_TK < (me + 1) * El)
+    # Padding rows are computed nowhere (as in moe_pallas): their outputs are never read.
+    mine_TK = (idx_TK >= me * El) & (idx_TK < (me + 1) * El) & ~pad_T[:, None]
     e_TJ = jnp.where(mine_TK, idx_TK - me * El, slots).astype(jnp.int32)  # slots: computed nowhere on this device
     w_TJ = jnp.where(mine_TK, w_TK * routed_scaling, 0.0).astype(jnp.float32)
     if shared_slot:

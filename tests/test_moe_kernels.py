@@ -203,6 +203,26 @@ def test_kernel_equals_reference(fmt: str, routing: str) -> None:
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5 * float(jnp.abs(want).max()))
 
 
+@pytest.mark.parametrize("num_valid", [1, 9, 21])
+def test_padding_rows_are_computed_nowhere(num_valid: int) -> None:
+    """A bucket's padding rows (from `num_valid` on) join no slot's row blocks: the real rows' outputs are the
+    reference's, no expert computes a row for the padding (its outputs are 0: the shared expert is a slot here
+    too), and the used blocks hold exactly the real rows' pairs."""
+    T = 21
+    p = prepare_moe(moe_params(7), "bf16", keep_reference=False)
+    h = hidden(8, T)
+    got = kernel.moe_pallas(h, p, interpret=True, num_valid=jnp.int32(num_valid), **KW)
+    want = reference.moe(h[:num_valid], layout.reference_params(p, jnp.float32), **KW)
+    np.testing.assert_allclose(np.asarray(got[:num_valid]), np.asarray(want), rtol=2e-5,
+                               atol=2e-5 * float(jnp.abs(want).max()))
+    np.testing.assert_array_equal(np.asarray(got[num_valid:]), 0.0)
+    S = layout.num_slots(p["experts"])
+    e_TJ, w_TJ = kernel.routed_pairs(*kernel.route(h, p["router"], p["router_bias"], TOP_K), num_slots=S,
+                                     shared_slot=True, routed_scaling=2.0)
+    lay = kernel.pairs_layout(jnp.where(jnp.arange(T)[:, None] >= num_valid, S, e_TJ), w_TJ, num_slots=S, bm=8)
+    assert int(jnp.sum(jnp.where(lay.slot_B >= 0, lay.rows_B, 0))) == num_valid * (TOP_K + 1)
+
+
 @pytest.mark.parametrize("variant", [{"mx_mode": "subdot"}, {"mx_rows": 64}])
 @pytest.mark.parametrize("fmt", ["mxfp8", "mxfp4"])
 def test_kernel_mx_variants_equal_expand(fmt: str, variant: dict) -> None:

@@ -75,13 +75,22 @@ def sort_and_pad(idx_TK: jax.Array, w_TK: jax.Array, *, num_slots: int, shared_s
                  routed_scaling: float, method: str | None = None) -> RowLayout:
     """The rows of every slot contiguous (pairs in token order) and padded to bm. `method`: "compare" or
     "argsort" build the same layout; None picks by size."""
+    e_TJ, w_TJ = routed_pairs(idx_TK, w_TK, num_slots=num_slots, shared_slot=shared_slot,
+                              routed_scaling=routed_scaling)
+    return _pairs_layout(e_TJ, w_TJ, num_slots=num_slots, bm=bm, method=method)
+
+
+def routed_pairs(idx_TK: jax.Array, w_TK: jax.Array, *, num_slots: int, shared_slot: bool,
+                 routed_scaling: float) -> tuple[jax.Array, jax.Array]:
+    """Each token's (slot, fp32 combine weight) pairs [T, J]: its k experts, weighted by routed_scaling, and the
+    shared slot (the last one), weight 1, when the shared expert is stacked with them."""
     T = idx_TK.shape[0]
     e_TJ = idx_TK.astype(jnp.int32)
     w_TJ = w_TK.astype(jnp.float32) * routed_scaling
     if shared_slot:
         e_TJ = jnp.concatenate([e_TJ, jnp.full((T, 1), num_slots - 1, jnp.int32)], axis=1)
         w_TJ = jnp.concatenate([w_TJ, jnp.ones((T, 1), jnp.float32)], axis=1)
-    return _pairs_layout(e_TJ, w_TJ, num_slots=num_slots, bm=bm, method=method)
+    return e_TJ, w_TJ
 
 
 def pairs_layout(e_TJ: jax.Array, w_TJ: jax.Array, *, num_slots: int, bm: int,
@@ -455,10 +464,19 @@ def _fitted_tiles(T: int, J: int, experts: dict, tiles: MoeTiles | None, interpr
 def routed_experts_pallas(h_TD: jax.Array, idx_TK: jax.Array, w_TK: jax.Array, experts: dict, *,
                           shared_slot: bool, routed_scaling: float, alpha: float, limit: float,
                           tiles: MoeTiles | None = None, layout_method: str | None = None,
-                          interpret: bool = False, layer: jax.Array | int | None = None) -> jax.Array:
+                          interpret: bool = False, layer: jax.Array | int | None = None,
+                          num_valid: jax.Array | None = None) -> jax.Array:
     """fp32 [T, D]: routed_scaling * sum_k w[t,k] Expert_idx(h[t]) (+ the shared slot's output, weight 1).
     `layout_method`: sort_and_pad's (None: by size; benchmarks time both). `layer`: `experts` is a run's stack
-    [layers, S, ...] and this is layer `layer` of it."""
+    [layers, S, ...] and this is layer `layer` of it. `num_valid`: the rows from it on are a bucket's padding,
+    computed nowhere (`pairs_layout`; their outputs are 0): no expert streams or computes rows for them, where
+    a prefill padded to its bucket would otherwise add up to bucket - tokens rows to some experts."""
+    if num_valid is not None:
+        S = layout.num_slots(experts)
+        e_TJ, w_TJ = routed_pairs(idx_TK, w_TK, num_slots=S, shared_slot=shared_slot, routed_scaling=routed_scaling)
+        pad_T = jnp.arange(h_TD.shape[0]) >= num_valid
+        return pairs_pallas(h_TD, jnp.where(pad_T[:, None], S, e_TJ), w_TJ, experts, alpha=alpha, limit=limit,
+                            tiles=tiles, layout_method=layout_method, interpret=interpret, layer=layer)
     tiles = _fitted_tiles(h_TD.shape[0], idx_TK.shape[1] + int(shared_slot), experts, tiles, interpret)
     lay = sort_and_pad(idx_TK, w_TK, num_slots=layout.num_slots(experts), shared_slot=shared_slot, bm=tiles.bm,
                        routed_scaling=routed_scaling, method=layout_method)
@@ -525,20 +543,17 @@ def moe_pallas(h_TD: jax.Array, p: dict, *, top_k: int, routed_scaling: float, a
                shared_mlp: Callable[..., jax.Array] = dense_mlp) -> jax.Array:
     """Same function as `reference.moe`. Uses `p["experts"]` (checkpoints/prepare.py) when present, a run's
     whole stack with `layer`; otherwise reads the params' own w_gate/w_up/w_down (no copies) and runs the shared
-    expert through `dense_mlp`. Rows from `num_valid` on (a bucket's padding) take the first row's experts:
-    their outputs are never read, and routed on their own they would stream up to k more experts each (a
-    batch-1 decode padded to 8 tokens: up to 8 times the weight bytes). `router_logits`: computed by the caller
+    expert through `dense_mlp`. Rows from `num_valid` on (a bucket's padding) are computed nowhere: their outputs
+    are never read, and routed on their own they would stream up to k more experts each (a batch-1 decode padded
+    to 8 tokens: up to 8 times the weight bytes). `router_logits`: computed by the caller
     (the batch-invariant path), else by XLA in `route`. `shared_mlp`: what runs a shared expert that is not a slot
     (its width differs from the routed experts'): `dense_mlp`'s signature (the batch-invariant path passes the
     linear kernel's)."""
     experts, shared_slot = experts_of(p)
     idx_TK, w_TK = route(h_TD, p["router"], p["router_bias"], top_k, router_logits)
-    if num_valid is not None:
-        pad_T = jnp.arange(h_TD.shape[0]) >= num_valid
-        idx_TK = jnp.where(pad_T[:, None], idx_TK[:1], idx_TK)
     out = routed_experts_pallas(h_TD, idx_TK, w_TK, experts, shared_slot=shared_slot,
                                 routed_scaling=routed_scaling, alpha=alpha, limit=limit, tiles=tiles,
-                                interpret=interpret, layer=layer if "experts" in p else None)
+                                interpret=interpret, layer=layer if "experts" in p else None, num_valid=num_valid)
     if "shared" in p and not shared_slot:
         s = p["shared"]
         out = out + shared_mlp(h_TD, s["w_gate"], s["w_up"], s["w_down"], alpha=alpha, limit=limit)

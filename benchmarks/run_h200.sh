@@ -15,7 +15,9 @@
 #   invcost   the bare decode step and a 1k prefill with and without --batch-invariant, kernel by kernel (issue 27)
 #   smoke     engine sizes that are not powers of two
 #   spec      a speculative step's cost against a plain decode step, and the projected speed-up (issue 24);
-#             the greedy executable and the general one on the same rows
+#             the greedy executable and the general one on the same rows, then rows sampled at temperature 1;
+#             SPEC_MODELS="m3-slice-1moe m3-slice" (two depths) adds the projection to m3-full's depth,
+#             SPEC_FORMAT=mxfp8 the experts' format
 #   dispatch  the host's time dispatching the engine's prefill and decode executables, with a py-spy native
 #             profile of it (what the dispatch waits for)
 #   slice     the m3-slice decode step at batch 1 / 32 / 128 against its HBM floor (issue 23)
@@ -83,12 +85,12 @@ for what in "$@"; do
         --out "$OUT/smoke-sizes-h200.json"
       ;;
     spec)
-      timeout "${SPEC_TIMEOUT:-240}" python3 benchmarks/bench_spec.py --model "${MODEL:-m3-slice}" \
+      timeout "${SPEC_TIMEOUT:-240}" python3 benchmarks/bench_spec.py --models ${SPEC_MODELS:-${MODEL:-m3-slice}} --moe-format "${SPEC_FORMAT:-bf16}" \
         --batches ${SPEC_BATCHES:-1 8 32 64} --ks 1 3 --context 2048 --also-general \
         --out "$OUT/spec-${GPU_NAME:-h200}.json"
-      # Sampled rows (temperature 1.0, top_p 0.95): "spec_filter" against forward + "sample_filter".
-      timeout "${SPEC_TIMEOUT:-240}" python3 benchmarks/bench_spec.py --model "${MODEL:-m3-slice}" \
-        --batches ${SPEC_BATCHES:-1 8 32 64} --ks 3 --context 2048 --also-general --sampled \
+      # Sampled rows at temperature 1.0 (InferenceX's acceptance lengths): "spec_draw" against forward + "sample_draw".
+      timeout "${SPEC_TIMEOUT:-240}" python3 benchmarks/bench_spec.py --models ${SPEC_MODELS:-${MODEL:-m3-slice}} --moe-format "${SPEC_FORMAT:-bf16}" \
+        --batches ${SPEC_BATCHES:-1 8 32 64} --ks 3 --context 2048 --also-general --temperature 1.0 \
         --out "$OUT/spec-${GPU_NAME:-h200}-sampled.json"
       ;;
     dispatch)

@@ -431,19 +431,20 @@ def _embed(params: Params, dcfg: DraftConfig, target_embed: jax.Array | None) ->
 
 
 def _project(params: Params, dcfg: DraftConfig, e_TD: jax.Array, h_TD: jax.Array, cos: jax.Array,
-             sin: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """The layer up to attention: (q [.., H, hd], k, v [.., K, hd] after RoPE, residual [.., D])."""
+             sin: jax.Array, rows: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """The layer up to attention: (q [.., H, hd], k, v [.., K, hd] after RoPE, residual [.., D]); with `rows`
+    (indices into the leading axis), q and the residual at those rows only (k and v at every one)."""
     lp = params["layer"]
     e = rms_norm(e_TD.astype(h_TD.dtype), lp["input_norm"], dcfg.rms_norm_eps)
     hn = rms_norm(h_TD, lp["hidden_norm"], dcfg.rms_norm_eps)
     residual = hn if dcfg.norm_before_residual else h_TD
     x = jnp.concatenate([e, hn], axis=-1)  # [.., 2D]: embedding first, as every EAGLE-3 implementation
     a = lp["attn"]
-    q = jnp.einsum("...c,chk->...hk", x, a["wq"])
-    k = jnp.einsum("...c,chk->...hk", x, a["wk"])
+    k = _rope(jnp.einsum("...c,chk->...hk", x, a["wk"]), cos, sin)
     v = jnp.einsum("...c,chk->...hk", x, a["wv"])
-    q = _rope(q, cos, sin)
-    k = _rope(k, cos, sin)
+    if rows is not None:
+        x, cos, sin, residual = x[rows], cos[rows], sin[rows], residual[rows]
+    q = _rope(jnp.einsum("...c,chk->...hk", x, a["wq"]), cos, sin)
     return q, k, v, residual
 
 
@@ -512,7 +513,7 @@ class DraftPages:
 
 class DraftStepOutput(NamedTuple):
     logits: jax.Array  # [L, V] fp32 over the target vocabulary for batch.logit_rows (-inf outside the draft's)
-    hidden: jax.Array  # [T, D] every token's hidden state for the next chained pass
+    hidden: jax.Array  # [L, D] the hidden state at batch.logit_rows, for the next chained pass
     pages: DraftPages
 
 
@@ -538,20 +539,24 @@ def draft_step(params: Params, dcfg: DraftConfig, target_embed: jax.Array | None
     K/V go to `batch.slot_mapping` (the target's slots); attention is causal over the row's draft pages through
     `ops.paged_dense_attention`. `kernels_impl` is the attention family's static choice ("reference", "pallas",
     "interpret"). `target_embed [V, D]` / `target_lm_head [D, V]`: the target's, used when the draft has none.
+    Every token's K and V are written; the rest of the layer (q, attention, MLP, lm_head) runs only at
+    `batch.logit_rows`, the positions whose proposal or hidden state is used: a first pass over a prefill chunk
+    then costs the chunk's K/V projections, not its whole layer.
     """
     embed = _embed(params, dcfg, target_embed)
     e = embed[batch.token_ids]
     cos, sin = rope_tables(dcfg, batch.positions, hidden_TD.dtype)
+    rows = batch.logit_rows
     with jax.named_scope("eagle_attention"):
-        q, k, v, residual = _project(params, dcfg, e, hidden_TD, cos, sin)
+        q, k, v, residual = _project(params, dcfg, e, hidden_TD, cos, sin, rows)
         k_pages = ops.write_kv_pages(pages.k, k, batch.slot_mapping, impl=kernels_impl)
         v_pages = ops.write_kv_pages(pages.v, v, batch.slot_mapping, impl=kernels_impl)
-        o = ops.paged_dense_attention(q, k_pages, v_pages, batch.page_table, batch.token_row, batch.positions,
-                                      dcfg.head_dim ** -0.5, impl=kernels_impl)
+        o = ops.paged_dense_attention(q, k_pages, v_pages, batch.page_table, batch.token_row[rows],
+                                      batch.positions[rows], dcfg.head_dim ** -0.5, impl=kernels_impl)
     with jax.named_scope("eagle_mlp"):
         hidden, out = _finish(params, dcfg, o, residual)
     with jax.named_scope("eagle_lm_head"):
-        logits = draft_vocab_logits(params, dcfg, target_lm_head, out[batch.logit_rows])
+        logits = draft_vocab_logits(params, dcfg, target_lm_head, out)
         logits = to_target_vocab(params, dcfg, logits)
     return DraftStepOutput(logits, hidden, DraftPages(k_pages, v_pages))
 

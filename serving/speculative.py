@@ -9,8 +9,9 @@ step proposed. One compiled step (`spec_step`) then
    d): a request emits its a accepted drafts and one more token, 1 + a in all;
 3. runs the draft's first pass over the same batch (each position fed the token that follows it, the target's
    fused aux states as hidden input), which fills the draft's KV pages for every new position and proposes the
-   token after the last emitted one, then k - 1 chained passes, each one token per request fed its own
-   previous proposal and hidden state: the k drafts of the next step.
+   token after the last emitted one (the rest of its layer runs at that one position per request), then k - 1
+   chained passes, each one token per request fed its own previous proposal and hidden state: the k drafts of
+   the next step.
 Positions past the accepted ones hold rejected tokens' K/V (target and draft): nothing reads them before they
 are rewritten, since every query sees only positions up to its own and the request's next row starts right
 after its last accepted token. The scheduler rolls `num_computed` back; pages stay with the request.
@@ -34,6 +35,7 @@ from m3jax.eagle import DraftConfig, DraftPages, draft_step, fuse_aux, shift_tok
 from m3jax.model import forward
 from pallas_kernels.choice import KernelChoice
 from serving.sampling import (
+    GREEDY_VARIANT,
     HistoryRows,
     PenaltyHistory,
     SamplingTensors,
@@ -98,8 +100,11 @@ def spec_step(params: Any, draft_params: Any, kv: KVPages, draft_pages: DraftPag
     emitted = jnp.where(j < a[:, None], drafts_RW, jnp.where(j == a[:, None], last, -1))
     emitted = jnp.where(j < n, emitted, -1).astype(jnp.int32)
     num_emitted = jnp.where(num_logits_R > 0, a + 1, 0).astype(jnp.int32)
-    raw = jax.nn.log_softmax(out.logits.astype(jnp.float32), axis=-1).reshape(R, W, -1)
-    logprobs = jnp.take_along_axis(raw, jnp.maximum(emitted, 0)[..., None], axis=-1)[..., 0]
+    if how == GREEDY_VARIANT:  # no row asked for logprobs: no vocabulary-wide log-softmax over every position
+        logprobs = jnp.zeros(emitted.shape, jnp.float32)
+    else:
+        raw = jax.nn.log_softmax(out.logits.astype(jnp.float32), axis=-1).reshape(R, W, -1)
+        logprobs = jnp.take_along_axis(raw, jnp.maximum(emitted, 0)[..., None], axis=-1)[..., 0]
 
     # The draft's first pass: every position fed the token that follows it; a sampling row's last accepted
     # position gets the token it emitted last, and its logits propose the first draft of the next step.
@@ -113,7 +118,7 @@ def spec_step(params: Any, draft_params: Any, kv: KVPages, draft_pages: DraftPag
                        dataclasses.replace(batch, token_ids=tokens, logit_rows=draft_row), g, kernels.attention)
     draft_pages = first.pages
     proposal = jnp.argmax(first.logits, axis=-1).astype(jnp.int32)
-    hidden = first.hidden[draft_row]
+    hidden = first.hidden
     position = batch.positions[draft_row]
     valid = num_logits_R > 0
     proposals = [proposal]

@@ -101,7 +101,7 @@ def test_full_scale_step_shapes(gqa: bool) -> None:
 
     out = jax.eval_shape(step, params, pool, sds((3, T, 6144), jnp.bfloat16))
     assert out.logits.shape == (R, 200064) and out.logits.dtype == jnp.float32
-    assert out.hidden.shape == (T, 6144) and out.pages.k.shape == (pages, 128, d.num_kv_heads, 128)
+    assert out.hidden.shape == (R, 6144) and out.pages.k.shape == (pages, 128, d.num_kv_heads, 128)
 
 
 def test_config_keys_and_defaults() -> None:
@@ -395,9 +395,8 @@ def test_chained_passes_equal_the_ttt_reference() -> None:
     h_in = np.zeros((64, D), np.float32)
     h_in[:sum(n)] = np.concatenate([g[0][:n[0]], g[1][:n[1]]])
     out = _step(params, dcfg, embed, lm_head, pool, batch, jnp.asarray(h_in), "reference")
-    last = [n[0] - 1, n[0] + n[1] - 1]  # each row's last token in the flat batch
     chain_logits = [[np.asarray(out.logits[idx[b]])] for b in range(2)]
-    h = np.asarray(out.hidden)[last]
+    h = np.asarray(out.hidden)[idx]  # (each row's last token)
     for i in range(1, steps):
         batch, idx = build_batch([RowPlan([int(toks[b][n[b] - 1 + i])], n[b] - 1 + i, pages[b]) for b in range(2)],
                                  PS, 2, 2, width)
@@ -536,14 +535,14 @@ def test_engine_form_with_the_shipped_draft(target) -> None:
     hidden = fuse_aux(dp, dcfg, out.aux_hidden)
     draft_batch = dataclasses.replace(batch, token_ids=shift_tokens(batch, jnp.asarray([g1])))
     assert draft_batch.token_ids[n - 2] == prompt[n - 1] and draft_batch.token_ids[n - 1] == g1
-    proposed, pos, last = [], n - 1, n - 1  # last: the row's last token in the flat batch
+    proposed, pos = [], n - 1
     for _ in range(k):
         d = _step(dp, dcfg, tp["embed"], tp["lm_head"], pool, draft_batch, hidden, "reference")
         pool = d.pages
         tok = int(jnp.argmax(d.logits[0]))
         proposed.append(tok)
-        hidden = d.hidden[last:last + 1]  # the chain continues from the row's last token
-        pos, last = pos + 1, 0
+        hidden = d.hidden  # at the row's logit position: the chain continues from its last token
+        pos += 1
         draft_batch, _ = build_batch([RowPlan([tok], pos, pages)], ps, 1, 1, 3)
     seq = np.asarray([prompt + [g1] + proposed[:-1]], np.int32)
 

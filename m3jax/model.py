@@ -130,7 +130,7 @@ def attention(p: Params, cfg: M3Config, kind: str, h_TD: jax.Array, batch: Batch
             index_k, blocks = jax.lax.cond(recompute, select, lambda: (index_k, reuse_blocks))
         o = ops.paged_block_sparse_attention(q, k_pages, v_pages, batch.page_table, batch.token_row,
                                              batch.positions, blocks, scale=scale, impl=impl, topology=topo,
-                                             invariant=inv)
+                                             invariant=inv, union=kernels.sparse_prefill == "union")
     return project(o, "wo"), LayerPages(k_pages, v_pages, index_k), blocks
 
 

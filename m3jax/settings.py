@@ -96,6 +96,12 @@ class Settings:
                                  "holds (the linears, router and norms' sums through the Pallas linear kernel); "
                                  "shown on H100 and H200; its cost, measured per GPU, is in docs/benchmarks.md",
                                  KERNELS)
+    sparse_prefill_kernel: str = knob("block_major", "MSA block-sparse attention at prefill: block_major (each "
+                                      "selected page read once for the query tiles that chose it; best where "
+                                      "neighbouring tokens choose different pages, as with random weights) or union "
+                                      "(each 4-token tile over the union of its pages; about a fifth faster where "
+                                      "neighbouring tokens' selections overlap; docs/benchmarks.md)", KERNELS,
+                                      choices=("block_major", "union"))
     # ---- server ----
     host: str = knob("127.0.0.1", "address both servers bind (127.0.0.1: this machine only; 0.0.0.0: every "
                      "interface)", SERVER)
@@ -184,8 +190,8 @@ class Settings:
 
     def kernel_choice(self) -> KernelChoice:
         """The static kernel choice of the forward, resolved for this backend and device count."""
-        return KernelChoice(self.attention_kernels, self.moe_kernels,
-                            batch_invariant=self.batch_invariant).resolve(self.tensor_parallel_size)
+        return KernelChoice(self.attention_kernels, self.moe_kernels, batch_invariant=self.batch_invariant,
+                            sparse_prefill=self.sparse_prefill_kernel).resolve(self.tensor_parallel_size)
 
     def speculative(self) -> SpeculativeConfig | None:
         return SpeculativeConfig.parse(self.speculative_config)

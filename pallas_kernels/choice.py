@@ -35,6 +35,7 @@ from pallas_kernels.topology import SINGLE, Topology
 
 IMPLS = ("reference", "pallas", "interpret")
 CHOICES = ("auto", *IMPLS)
+SPARSE_PREFILL = ("block_major", "union")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,12 +44,18 @@ class KernelChoice:
     moe: str = "reference"  # the fused MoE grouped GEMMs
     topology: Topology = SINGLE  # the mesh and rules the ops are sharded by (one device: none)
     batch_invariant: bool = False  # one tile configuration for every batch (see above)
+    # Block-sparse prefill's kernel (`attention.tuning.sparse_tiles`): "block_major" or "union". Static, chosen by
+    # the operator: a choice on the device needs a conditional, whose predicate the GPU runtime reads back on the
+    # host, and the dispatch of every prefill step would wait for the device at each sparse layer.
+    sparse_prefill: str = "block_major"
 
     def __post_init__(self) -> None:
         for family in ("attention", "moe"):
             value = getattr(self, family)
             if value not in CHOICES:
                 raise ValueError(f"kernel choice for {family}: {value!r} is not one of {CHOICES}")
+        if self.sparse_prefill not in SPARSE_PREFILL:
+            raise ValueError(f"sparse prefill kernel {self.sparse_prefill!r} is not one of {SPARSE_PREFILL}")
 
     @property
     def compiler_options(self) -> dict[str, bool] | None:

@@ -111,9 +111,10 @@ def paged_select_blocks(iq_TGD: jax.Array, ik_pages: jax.Array, page_table_RN: j
 def paged_block_sparse_attention(q_THD: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                                  page_table_RN: jax.Array, token_row_T: jax.Array, pos_T: jax.Array,
                                  blocks_TGN: jax.Array, *, scale: float, impl: str,
-                                 topology: Topology = SINGLE, invariant: bool = False) -> jax.Array:
+                                 topology: Topology = SINGLE, invariant: bool = False,
+                                 union: bool = False) -> jax.Array:
     args = (q_THD, k_pages, v_pages, page_table_RN, token_row_T, pos_T, blocks_TGN)
-    kw = {"scale": scale, "impl": impl, "invariant": invariant}
+    kw = {"scale": scale, "impl": impl, "invariant": invariant, "union": union}
     if topology.sharded:
         return sharded.paged_block_sparse_attention(*args, **kw, topology=topology)
     return _attn.paged_block_sparse_attention(*args, **kw)

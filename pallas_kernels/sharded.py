@@ -99,7 +99,7 @@ def paged_dense_attention(q_THD: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
 def paged_block_sparse_attention(q_THD: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                                  page_table_RN: jax.Array, token_row_T: jax.Array, pos_T: jax.Array,
                                  blocks_TGN: jax.Array, *, scale: float, impl: str, topology: Topology,
-                                 invariant: bool = False) -> jax.Array:
+                                 invariant: bool = False, union: bool = False) -> jax.Array:
     q_spec, pool_spec, split = _attention_specs(topology, q_THD, k_pages)
     blocks_spec = topology.spec_for(blocks_TGN.shape, _BLOCKS) if split else P()
     local_groups = k_pages.shape[2] // topology.size if split else k_pages.shape[2]
@@ -108,7 +108,7 @@ def paged_block_sparse_attention(q_THD: jax.Array, k_pages: jax.Array, v_pages: 
         if blocks.shape[1] != local_groups:  # replicate_kv: every device holds all groups' selections
             blocks = _pick_group(blocks, topology)
         return attn.paged_block_sparse_attention(q, kp, vp, pt, row, pos, blocks, scale=scale, impl=impl,
-                                                 invariant=invariant)
+                                                 invariant=invariant, union=union)
 
     return _smap(topology, local, (q_spec, pool_spec, pool_spec, P(), P(), P(), blocks_spec), q_spec)(
         q_THD, k_pages, v_pages, page_table_RN, token_row_T, pos_T, blocks_TGN)

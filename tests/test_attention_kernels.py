@@ -355,9 +355,14 @@ def test_msa_non_pow2_topk_through_dispatch_equal_reference():
     np.testing.assert_array_equal(np.asarray(blocks),
                                   np.asarray(msa_ref.paged_select_blocks(iq, ik, *args, topk=topk, local_blocks=1)))
     # Shared selections (each 4-token block takes its first token's), so the union kernel's per-token masks run.
+    # Block-major by default, the union kernel when the operator picks it (`KernelChoice.sparse_prefill`).
+    assert tuning.sparse_tiles(T, 2, topk, HG).block_major and not tuning.sparse_tiles(T, 2, topk, HG,
+                                                                                       union=True).block_major
     for sel in (blocks, blocks[np.arange(T) // 4 * 4]):
         q = _normal(rng, T, H, D)
         kp, vp = (_normal(rng, NUM_PAGES, PS, K, D) for _ in range(2))
-        got = dispatch.paged_block_sparse_attention(q, kp, vp, *args, sel, scale=SCALE, impl="interpret")
         want = msa_ref.paged_block_sparse_attention(q, kp, vp, *args, sel, scale=SCALE)
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
+        for union in (False, True):
+            got = dispatch.paged_block_sparse_attention(q, kp, vp, *args, sel, scale=SCALE, impl="interpret",
+                                                        union=union)
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)

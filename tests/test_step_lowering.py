@@ -39,6 +39,22 @@ def test_step_lowers_at_odd_sizes(model, max_model_len, max_num_seqs, max_num_ba
             assert "stablehlo.case" not in text and "stablehlo.if" not in text, (what, size)
 
 
+@pytest.mark.parametrize("sparse_prefill,kernel", [("block_major", "block_major_sparse_attention"),
+                                                    ("union", "sparse_paged_attention_bt4")])
+def test_prefill_step_lowers_with_the_chosen_sparse_kernel(sparse_prefill, kernel):
+    """`--sparse-prefill-kernel`: the prefill step runs the operator's block-sparse kernel, a static choice (no
+    conditional)."""
+    model = M3Model.abstract(preset("m3-slice"), "bfloat16", "bf16",
+                             KernelChoice("pallas", "pallas", sparse_prefill=sparse_prefill))
+    runner = ModelRunner(model, num_pages=8, max_num_seqs=32, max_num_batched_tokens=2048, max_model_len=1280)
+    size = runner.token_buckets[-1]
+    args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), runner._abstract_args("forward", size))
+    text = lower_for_gpu(runner.jitted("forward", size), *args)
+    other = {"block_major_sparse_attention", "sparse_paged_attention_bt4"} - {kernel}
+    assert kernel in text and not any(k in text for k in other)
+    assert "stablehlo.case" not in text and "stablehlo.if" not in text
+
+
 def test_speculative_step_lowers_with_the_published_draft_shapes(model):
     """The whole speculative step (target over 1 + k rows, verification, the draft's k passes) for an H200, with
     a draft of `Inferact/MiniMax-M3-EAGLE3-GQA`'s shapes."""

@@ -82,11 +82,13 @@ def paged_select_blocks(iq_TGD: jax.Array, ik_pages: jax.Array, page_table_RN: j
 def paged_block_sparse_attention(q_THD: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                                  page_table_RN: jax.Array, token_row_T: jax.Array, pos_T: jax.Array,
                                  blocks_TGN: jax.Array, *, scale: float, impl: str,
-                                 invariant: bool = False) -> jax.Array:
+                                 invariant: bool = False, union: bool = False) -> jax.Array:
+    """`union`: prefill-shaped steps run the union-of-pages kernel instead of KV-block-major (`KernelChoice.
+    sparse_prefill`)."""
     T, H, D = q_THD.shape
     _, ps, K, _ = k_pages.shape
     R, _ = page_table_RN.shape
-    tiles = tuning.sparse_tiles(T, R, blocks_TGN.shape[-1], H // K, invariant=invariant)
+    tiles = tuning.sparse_tiles(T, R, blocks_TGN.shape[-1], H // K, invariant=invariant, union=union)
     use, interpret = _kernel_mode(impl, ps, D, H // K)  # any top-k: the kernels pad it to a power of two
     if not use:
         return _msa_ref.paged_block_sparse_attention(q_THD, k_pages, v_pages, page_table_RN, token_row_T, pos_T,

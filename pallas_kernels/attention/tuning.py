@@ -104,7 +104,7 @@ def index_tiles(num_tokens: int, num_rows: int, pages_per_row: int, index_heads:
 
 
 def sparse_tiles(num_tokens: int, num_rows: int, topk: int, heads_per_group: int, *,
-                 invariant: bool = False) -> AttentionTiles:
+                 invariant: bool = False, union: bool = False) -> AttentionTiles:
     rows = _rows_per_request(num_tokens, num_rows)
     if rows <= DECODE_ROWS_PER_REQUEST or invariant:
         # Batch-invariant: this per-token kernel for prefill tokens too. Each token reads its own selected pages
@@ -138,8 +138,11 @@ def sparse_tiles(num_tokens: int, num_rows: int, topk: int, heads_per_group: int
     # each sparse layer (H100, m3-slice-1moe, 1k prefill: 1.94 ms to dispatch, 63% of it in cuStreamSynchronize
     # under XLA's ConditionalThunk, against 0.34 ms for a decode step; benchmarks/profile_dispatch.py,
     # benchmarks/results/dispatch-h100-1moe-25254b8/). Each sparse layer then waited for the host to launch its
-    # second half, and the host could not build the next step meanwhile. The union kernel stays for tiles that
-    # ask for it (`block_major=0`); taking it where selections overlap needs a choice the host never reads.
+    # second half, and the host could not build the next step meanwhile. The union kernel is the operator's static
+    # choice instead (`union`: `KernelChoice.sparse_prefill`, `--sparse-prefill-kernel union`), for models whose
+    # neighbouring tokens choose overlapping pages.
+    if union:
+        return AttentionTiles(bt=4, pages_per_split=4 * topk, num_stages=2)
     return AttentionTiles(bt=4, pages_per_split=4 * topk, num_stages=2, block_major=16)
 
 

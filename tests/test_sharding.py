@@ -5,6 +5,7 @@ TP4; the sharded steps lower for 4 and 8 H200s."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -154,6 +155,19 @@ def check_kernel_path(model: M3Model) -> None:
     for kind in ("kv_write", "dense_paged_attention", "msa_block_scores", "sparse_paged_attention",
                  "block_major_sparse_attention", "moe_gate_up", "moe_down"):
         assert any(name.startswith(kind) for name in inside), (kind, sorted(set(inside)))
+
+
+def test_sharded_union_prefill_kernel(setup):
+    """`--sparse-prefill-kernel union` under TP2: the prefill-shaped step's block-sparse attention is the union
+    kernel, inside the shard_map, and nothing runs outside one (traced only: the kernel equals the reference
+    through the dispatch in tests/test_attention_kernels.py)."""
+    host, _ = setup
+    model = M3Model.create(CFG, host, tensor_parallel_size=2,
+                           kernels=dataclasses.replace(INTERPRET, sparse_prefill="union"))
+    inside, outside = kernel_sites(model, TOKENS)
+    assert not outside, outside
+    assert any(n.startswith("sparse_paged_attention_bt4") for n in inside), sorted(set(inside))
+    assert not any(n.startswith("block_major") for n in inside), sorted(set(inside))
 
 
 @pytest.mark.parametrize("tp,ep", [(2, False), (4, False), (4, True)])

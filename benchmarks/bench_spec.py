@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import time
 from pathlib import Path
@@ -95,7 +96,15 @@ def _plain(model: Any, batch: int, context: int, num_pages: int, pages_per_row: 
             plain.prev_tokens, out = sample_exe(logits, sampling)
         return out.tokens
 
-    return _time(plain_step, steps), sum(e["seconds"] for e in plain.compile_log), how
+    return _time(plain_step, steps), sum(e["seconds"] for e in plain.compile_log), how, _busy(plain_step, steps)
+
+
+def _busy(fn: Any, steps: int) -> dict[str, Any]:
+    """The device's own time for `fn`'s calls (kernel-busy per call and the top kernels; empty on the CPU), so a
+    step's device work and its host overhead can be told apart."""
+    from benchmarks.timing import device_profile
+
+    return device_profile(fn, [()], calls=steps, top=12)
 
 
 def measure(model: Any, draft_cfg: Any, draft_params: Any, batch: int, context: int, ks: list[int], steps: int,
@@ -114,8 +123,9 @@ def measure(model: Any, draft_cfg: Any, draft_params: Any, batch: int, context: 
     sampling = SamplingParams(temperature=temperature, top_p=top_p)
     rec: dict[str, Any] = {"batch": batch, "context": context, "temperature": temperature, "top_p": top_p}
 
-    rec["plain_step_s"], rec["plain_compile_s"], rec["plain_sampling"] = _plain(
+    rec["plain_step_s"], rec["plain_compile_s"], rec["plain_sampling"], prof = _plain(
         model, batch, context, num_pages, pages_per_row, max_len, steps, sampling)
+    rec.update({f"plain_{key}": value for key, value in prof.items()})
     for k in ks:
         runner = ModelRunner(model, num_pages, batch, batch * (1 + k), max_len, draft=Draft(draft_cfg, draft_params, k))
         scheduled = SchedulerOutput(_rows(batch, context, k, pages_per_row, ps, vocab, sampling), [])
@@ -124,8 +134,10 @@ def measure(model: Any, draft_cfg: Any, draft_params: Any, batch: int, context: 
         inputs = jax.device_put(inputs)
         runner.executable(what, num_tokens)
         rec[f"spec_k{k}_executable"] = what
-        rec[f"spec_k{k}_step_s"] = _time(lambda r=runner, w=what, n=num_tokens, x=inputs: r.run_spec(w, n, x, None)
-                                         .emitted, steps)
+        spec_step = functools.partial(lambda r, w, n, x: r.run_spec(w, n, x, None).emitted, runner, what,
+                                      num_tokens, inputs)
+        rec[f"spec_k{k}_step_s"] = _time(spec_step, steps)
+        rec.update({f"spec_k{k}_{key}": value for key, value in _busy(spec_step, steps).items()})
         if also_general:  # the same rows through the general executable, whose sampling holds conditionals
             runner.executable("spec", num_tokens)
             rec[f"spec_k{k}_general_step_s"] = _time(

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from pallas_kernels.choice import CHOICES as KERNEL_CHOICES
-from pallas_kernels.choice import KernelChoice
+from pallas_kernels.choice import SPARSE_PREFILL, KernelChoice
 
 MODEL, ENGINE, KERNELS, SERVER = "model", "engine", "kernels", "server"
 GROUP_TITLES = {MODEL: "model", ENGINE: "engine", KERNELS: "kernels", SERVER: "server"}
@@ -101,7 +101,7 @@ class Settings:
                                       "neighbouring tokens choose different pages, as with random weights) or union "
                                       "(each 4-token tile over the union of its pages; about a fifth faster where "
                                       "neighbouring tokens' selections overlap; docs/benchmarks.md)", KERNELS,
-                                      choices=("block_major", "union"))
+                                      choices=SPARSE_PREFILL)
     # ---- server ----
     host: str = knob("127.0.0.1", "address both servers bind (127.0.0.1: this machine only; 0.0.0.0: every "
                      "interface)", SERVER)

@@ -141,8 +141,8 @@ def sparse_tiles(num_tokens: int, num_rows: int, topk: int, heads_per_group: int
     # second half, and the host could not build the next step meanwhile. The union kernel is the operator's static
     # choice instead (`union`: `KernelChoice.sparse_prefill`, `--sparse-prefill-kernel union`), for models whose
     # neighbouring tokens choose overlapping pages.
-    if union:
-        return AttentionTiles(bt=4, pages_per_split=4 * topk, num_stages=2)
+    if union:  # the union kernel's tiles when it was measured against block-major (above)
+        return AttentionTiles(bt=4, pages_per_split=4 * topk, num_stages=3, key_tile=64)
     return AttentionTiles(bt=4, pages_per_split=4 * topk, num_stages=2, block_major=16)
 
 

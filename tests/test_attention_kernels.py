@@ -257,7 +257,6 @@ def test_prefill_chunk_block_major_and_union_kernels(selections):
     decode) goes through `dispatch` to the KV-block-major tiles, chosen by the table and never on the device (no
     conditional); the union query-block kernel, with tokens' own selections or each 4-token block sharing one,
     equals the reference as well."""
-
     rng = np.random.default_rng(8)
     batch, _ = build_batch([RowPlan([1] * 40, 200, list(range(1, 32)))], PS, 48, 2, 32)
     args = (batch.page_table, batch.token_row, batch.positions)

@@ -20,10 +20,10 @@ drafts + 1), so the projected speed-up is L * plain / spec_k, given here at Infe
 lengths (SPEED-Bench coding, temperature 1.0).
 
 On the full 60-layer model the target's share of the step grows with its depth while the draft's does not. With
-two or more `--models` of M3's widths and different depths (m3-slice-1moe: 1 dense + 1 MoE layer; m3-slice: 1 +
-3), each step time is fitted as a + b * layers over the models (the same draft in each, so its cost sits in a),
-and the fit is carried to m3-full's 60 layers (its 3 dense layers counted at the MoE layers' slope: an
-approximation on the slow side for both steps): the "projection" records.
+two or more `--models` of M3's widths and different depths (m3-slice-1moe: 1 dense + 1 MoE layer; m3-slice-2moe:
+1 + 2, both held by an H100; m3-slice: 1 + 3), each step time is fitted as a + b * layers over the models (the
+same draft in each, so its cost sits in a), and the fit is carried to m3-full's 60 layers (its 3 dense layers
+counted at the MoE layers' slope: an approximation on the slow side for both steps): the "projection" records.
 
     PYTHONPATH=. python benchmarks/bench_spec.py [--models m3-slice-1moe m3-slice] [--moe-format mxfp8]
         [--batches 1 8 32 64] [--ks 1 3] [--context 2048] [--temperature 1.0 [--top-p 0.95]]

@@ -441,6 +441,9 @@ PRESETS: dict[str, M3Config] = {
     # Real widths, one dense and one MSA + MoE layer: every kernel family at M3's shapes in what an 80 GB card
     # holds with room for the KV cache (m3-slice's 50 GB of bf16 weights, prepared at load, need an H200).
     "m3-slice-1moe": _preset(1, 1, **_M3_WIDTHS),
+    # A second depth an 80 GB card holds (36 GB of bf16 weights): with m3-slice-1moe, a per-layer fit of a step
+    # carried to m3-full's depth on an H100 (`benchmarks/bench_spec.py --models m3-slice-1moe m3-slice-2moe`).
+    "m3-slice-2moe": _preset(1, 2, **_M3_WIDTHS),
     # Everything M3 has, at a size that runs in milliseconds on a CPU. Attention and MLP kinds are
     # deliberately misaligned on one layer so code cannot confuse the two lists.
     "m3-tiny": M3Config(

@@ -531,8 +531,8 @@ class ServingCore:
 
     async def prepare(self, prompt: PromptSource, params: SamplingParams, max_tokens_param: str | None,
                       plan: OutputPlan | None = None) -> tuple[list[int], SamplingParams]:
-        if isinstance(prompt, list | tuple) and plan is None and params.structured_outputs is None:
-            # Token ids and nothing to compile: O(prompt) list work, bounded by the model length. On the loop,
+        if isinstance(prompt, list | tuple) and params.structured_outputs is None and not (plan and plan.forced):
+            # Token ids and no grammar to compile: O(prompt) list work, bounded by the model length. On the loop,
             # it saves the time to first token two hand-overs to and from a worker thread.
             return self.fit(prompt, params, max_tokens_param, plan)
         return await self.run_blocking(self.fit, prompt, params, max_tokens_param, plan)

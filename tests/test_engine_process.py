@@ -86,6 +86,8 @@ def test_bad_requests_are_refused_before_they_are_sent(remote):
     for prompt, params, match in (
             ([1] * 300, SamplingParams(max_tokens=1), "model length is 256"),
             ([10**6], SamplingParams(max_tokens=1), "outside the vocabulary"),
+            ([1, True], SamplingParams(max_tokens=1), "list of integers"),
+            ([1, 2.0], SamplingParams(max_tokens=1), "list of integers"),
             ("x", SamplingParams(max_tokens=2, structured_outputs=StructuredOutputsParams(regex="(ab")),
              "regex")):
         with pytest.raises(ValueError, match=match):

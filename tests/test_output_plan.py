@@ -143,3 +143,18 @@ def test_stripper_holds_back_what_may_become_a_special_token():
     out = [s.push(t, False) for t in ("a]", "~b]b ]<]mini", "max[>[c", "]")]
     assert "".join(out) + s.push("", True) == "ab c]"
     assert NS not in "".join(out)
+
+
+def test_token_id_prompts_with_no_grammar_are_fitted_on_the_event_loop(tok):
+    """A worker thread is two hand-overs on the way to the first token: a token-id prompt with a bare or parsing
+    plan never takes one (this core's executor is shut, so one would raise); a grammar to compile still does."""
+    import asyncio
+
+    core = _core(tok)
+    ids = _prompt(tok, "")
+    for plan in (OutputPlan(), core.chat_plan(TOOLS, None)):
+        got, params = asyncio.run(core.prepare(ids, SamplingParams(max_tokens=8), "max_tokens", plan))
+        assert got == ids and params.max_tokens == 8
+    forced = core.chat_plan(TOOLS, "required")
+    with pytest.raises(RuntimeError, match="shutdown"):
+        asyncio.run(core.prepare(ids, SamplingParams(max_tokens=8), "max_tokens", forced))

@@ -17,7 +17,8 @@
 #   spec      a speculative step's cost against a plain decode step, and the projected speed-up (issue 24);
 #             the greedy executable and the general one on the same rows, then rows sampled at temperature 1;
 #             SPEC_MODELS="m3-slice-1moe m3-slice" (two depths) adds the projection to m3-full's depth
-#             ("m3-slice-1moe m3-slice-2moe" on an H100),
+#             ("m3-slice-1moe m3-slice-2moe" on an H100, with XLA_PYTHON_CLIENT_MEM_FRACTION=0.95: the 2moe
+#             slice's experts and their prepared copy are 65 GB at load),
 #             SPEC_FORMAT=mxfp8 the experts' format
 #   dispatch  the host's time dispatching the engine's prefill and decode executables, with a py-spy native
 #             profile of it (what the dispatch waits for)

@@ -68,8 +68,8 @@ def _rows(batch: int, context: int, k: int, pages_per_row: int, ps: int, vocab: 
 
 
 def _plain(model: Any, batch: int, context: int, num_pages: int, pages_per_row: int, max_len: int, steps: int,
-           sampling_params: Any) -> tuple[float, float, str]:
-    """(seconds per plain decode step, compile seconds, its sampling variant)."""
+           sampling_params: Any) -> tuple[float, float, str, dict[str, Any]]:
+    """(seconds per plain decode step, compile seconds, its sampling variant, its kernel-busy profile)."""
     import jax
 
     from serving.runner import ModelRunner
@@ -143,11 +143,17 @@ def measure(model: Any, draft_cfg: Any, draft_params: Any, batch: int, context: 
             rec[f"spec_k{k}_general_step_s"] = _time(
                 lambda r=runner, n=num_tokens, x=inputs: r.run_spec("spec", n, x, None).emitted, steps)
         rec[f"spec_k{k}_compile_s"] = sum(e["seconds"] for e in runner.compile_log)
-        rec[f"spec_k{k}_over_plain"] = rec[f"spec_k{k}_step_s"] / rec["plain_step_s"]
-        for mode, length in ACCEPTANCE[k].items():
-            rec[f"speedup_k{k}_{mode}"] = length * rec["plain_step_s"] / rec[f"spec_k{k}_step_s"]
+        _ratios(rec, k)
         del runner
     return rec
+
+
+def _ratios(rec: dict[str, Any], k: int) -> None:
+    """A k-draft step over the plain one, and the projected speed-up at each published acceptance length: a token
+    costs plain / 1 without speculation and spec_k / L with it."""
+    rec[f"spec_k{k}_over_plain"] = rec[f"spec_k{k}_step_s"] / rec["plain_step_s"]
+    for mode, length in ACCEPTANCE[k].items():
+        rec[f"speedup_k{k}_{mode}"] = length * rec["plain_step_s"] / rec[f"spec_k{k}_step_s"]
 
 
 def project(records: list[dict[str, Any]], ks: list[int], depth: int) -> list[dict[str, Any]]:
@@ -173,9 +179,7 @@ def project(records: list[dict[str, Any]], ks: list[int], depth: int) -> list[di
         rec["plain_step_s"], rec["plain_per_layer_s"] = at_depth("plain_step_s")
         for k in ks:
             rec[f"spec_k{k}_step_s"], rec[f"spec_k{k}_per_layer_s"] = at_depth(f"spec_k{k}_step_s")
-            rec[f"spec_k{k}_over_plain"] = rec[f"spec_k{k}_step_s"] / rec["plain_step_s"]
-            for mode, length in ACCEPTANCE[k].items():
-                rec[f"speedup_k{k}_{mode}"] = length * rec["plain_step_s"] / rec[f"spec_k{k}_step_s"]
+            _ratios(rec, k)
         out.append(rec)
     return out
 

@@ -191,10 +191,12 @@ def measure_prefill(core: Any, context: int, repeats: int = 6) -> dict[str, Any]
             np.asarray(tokens)
             timed[name].append(time.perf_counter() - t0)
     bare_s = timed["bare"]
-    from benchmarks.timing import device_profile
+    from benchmarks.timing import device_profile, device_timeline
 
-    # Kernel by kernel, to set beside bench_slice_decode.py's one-row prefill (what the padding costs).
+    # Kernel by kernel, to set beside bench_slice_decode.py's one-row prefill (what the padding costs), and
+    # where the device idles inside the call (the host launching the step's kernels behind the device).
     prof = device_profile(bare, [()], calls=4, top=40)
+    timeline = device_timeline(lambda: bare(host_args))
     return {"op": "engine_prefill_ttft", "context": context, "token_bucket": num_tokens,
             "rows": runner.rows_for(num_tokens), "engine_ttft_s": statistics.median(ttft),
             "bare_prefill_s": statistics.median(bare_s), "engine_over_bare": statistics.median(ttft) /
@@ -202,7 +204,7 @@ def measure_prefill(core: Any, context: int, repeats: int = 6) -> dict[str, Any]
             "engine_device_wait_s": statistics.median(waits), "engine_steps_to_first_token": max(steps),
             "repeats": repeats, "pages_per_row": runner.pages_per_row,
             **{f"{k}_s": statistics.median(v) for k, v in timed.items() if k != "bare"},
-            **{"bare_" + k: v for k, v in prof.items()}}
+            **{"bare_" + k: v for k, v in prof.items()}, **({"timeline": timeline} if timeline else {})}
 
 
 def main() -> None:

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.timing import device_profile, git_rev
+from benchmarks.timing import device_profile, device_timeline, git_rev
 
 # HBM bytes per expert weight as the MoE kernels read it (moe/layout.py): an E8M0 byte per 32 elements for MX.
 EXPERT_BYTES = {"bf16": 2.0, "mxfp8": 1 + 1 / 32, "mxfp4": 0.5 + 1 / 32}
@@ -168,6 +168,7 @@ def main() -> None:
         return {"op": "m3_slice_prefill", "shape": {"tokens": n, "layers": cfg.num_layers},
                 "moe_format": args.moe_format, "batch_invariant": args.batch_invariant, "time_s": time_s,
                 "compile_s": compile_s, **device_profile(step_only, [()], calls=4, top=40),
+                **({"timeline": tl} if (tl := device_timeline(step_only)) else {}),
                 "device": jax.devices()[0].device_kind, "git_rev": rev, "jax": jax.__version__}
 
     results = []

@@ -98,6 +98,63 @@ def device_profile(fn: Callable[..., Any], arg_sets: Sequence[tuple], *, calls: 
             "kernels_per_call": events / calls, "trace_lines": sorted({ln.name for ln in streams})[:6]}
 
 
+def device_timeline(fn: Callable[..., Any], *, calls: int = 3, gaps: int = 12,
+                    min_gap_us: float = 5.0) -> dict[str, Any]:
+    """Where the device idles inside one call of `fn()`: each of `calls` calls runs alone (waited for) under the
+    GPU trace. Per call: the span from its first kernel's start to its last kernel's end, the kernels' busy
+    time, and the idle time between them; for the median call, the `gaps` longest idle stretches of at least
+    `min_gap_us`, each with the kernels either side and its offset from the first kernel. A call whose wall
+    time is well over its span waits on the host before its first kernel or after its last; idle inside the
+    span is the host launching kernels more slowly than the device runs them (or a wait inside the graph).
+    Empty on the CPU."""
+    jax.block_until_ready(fn())
+    walls: list[float] = []
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d):
+            for _ in range(calls):
+                t = time.perf_counter()
+                jax.block_until_ready(fn())
+                walls.append(time.perf_counter() - t)
+                time.sleep(0.02)  # a clear break between calls in the trace
+        paths = glob.glob(f"{d}/**/*.xplane.pb", recursive=True)
+        data = jax.profiler.ProfileData.from_file(paths[0]) if paths else None
+    events: list[tuple[int, int, str]] = []
+    for plane in data.planes if data else []:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        lines = list(plane.lines)
+        for line in [ln for ln in lines if ln.name.startswith("Stream")] or lines:
+            events += [(ev.start_ns, ev.start_ns + ev.duration_ns, ev.name) for ev in line.events]
+    if not events:
+        return {}
+    events.sort()
+    # Split into calls at the 20 ms breaks.
+    groups: list[list[tuple[int, int, str]]] = [[events[0]]]
+    for ev in events[1:]:
+        if ev[0] - max(e[1] for e in groups[-1][-8:]) > 10_000_000:
+            groups.append([])
+        groups[-1].append(ev)
+    per_call = []
+    for g in groups:
+        start, end = g[0][0], max(e[1] for e in g)
+        busy, idle, covered, holes = 0, 0, start, []
+        for i, (s, e, name) in enumerate(g):
+            if s > covered:
+                idle += s - covered
+                if (s - covered) / 1e3 >= min_gap_us:
+                    holes.append({"us": round((s - covered) / 1e3, 1), "at_us": round((covered - start) / 1e3, 1),
+                                  "after": g[i - 1][2][:60] if i else "", "before": name[:60]})
+            busy += e - s
+            covered = max(covered, e)
+        per_call.append({"span_us": round((end - start) / 1e3, 1), "busy_us": round(busy / 1e3, 1),
+                         "idle_us": round(idle / 1e3, 1), "kernels": len(g),
+                         "gaps": sorted(holes, key=lambda h: -h["us"])[:gaps]})
+    mid = sorted(per_call, key=lambda c: c["span_us"])[len(per_call) // 2]
+    return {"wall_us": [round(w * 1e6, 1) for w in walls], "calls": [{k: v for k, v in c.items() if k != "gaps"}
+                                                                     for c in per_call],
+            "median_call_gaps": mid["gaps"]}
+
+
 def git_rev() -> str:
     """The revision results record: M3JAX_GIT_REV (set on the GPU machine, which has no .git), else git's short
     hash with -dirty for uncommitted changes."""

@@ -11,12 +11,14 @@ in one process (tests) do not collide over metric names.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -68,6 +70,53 @@ class _LoadCollector(Collector):
         yield from families.values()
 
 
+class _PerToken(Collector):
+    """The figures updated for every generated token: the gap between a request's tokens (one histogram, exported
+    under m3jax's name and vLLM's two) and the generated-token counters (m3jax's and vLLM's).
+
+    prometheus_client's Histogram takes a lock and walks its buckets in Python on each observe; three histograms
+    and two counters a token took about 14% of the servers' event loop at 64 streams (docs/benchmarks.md, "What a
+    token costs the servers' process"). Here a token is one bisect and three adds. Written only from the servers'
+    event loop, which also renders /metrics, so it needs no lock."""
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.bounds = _TOKEN_BUCKETS
+        self.counts = [0] * (len(self.bounds) + 1)  # per bucket, not cumulative; the last is +Inf
+        self.sum = 0.0
+        self.generated = 0
+
+    def tokens(self, n: int, gap: float | None) -> None:
+        if gap is not None:  # tokens that arrive together share the gap
+            self.counts[bisect_left(self.bounds, gap / n)] += n  # `le`: a gap on a bound counts in its bucket
+            self.sum += gap
+        self.generated += n
+
+    def collect(self) -> Iterable[Metric]:
+        buckets, total = [], 0
+        for bound, count in zip((*self.bounds, float("inf")), self.counts, strict=True):
+            total += count
+            buckets.append((floatToGoString(bound), total))
+        for name, doc, labels in (
+                ("m3jax_inter_token_latency_seconds", "Time between consecutive tokens of a request", ()),
+                # vLLM observes every inter-token gap under both names (the second is the older one, which its
+                # dashboards still read).
+                ("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                 (self.model_name,)),
+                ("vllm:time_per_output_token_seconds", "Histogram of inter-token latency in seconds.",
+                 (self.model_name,))):
+            h = HistogramMetricFamily(name, doc, labels=["model_name"] if labels else None)
+            h.add_metric(list(labels), buckets, self.sum)
+            yield h
+        c = CounterMetricFamily("m3jax_generation_tokens", "Generated tokens")
+        c.add_metric([], self.generated)
+        yield c
+        c = CounterMetricFamily("vllm:generation_tokens", "Number of generation tokens processed.",
+                                labels=["model_name"])
+        c.add_metric([self.model_name], self.generated)
+        yield c
+
+
 class ServerMetrics:
     """The request-level metrics (histograms, token and request counters) plus the engine readings.
 
@@ -81,15 +130,14 @@ class ServerMetrics:
         self.model_name = model_name
         # Plain totals, for the periodic throughput log line.
         self.prompt_tokens_count = 0
-        self.generation_tokens_count = 0
+        self.per_token = _PerToken(model_name)
+        r.register(self.per_token)
 
         # ---- m3jax's names ----
         self.ttft = Histogram("m3jax_time_to_first_token_seconds", "Time from arrival to the first token",
                               registry=r, buckets=_TTFT_BUCKETS)
         self.tpot = Histogram("m3jax_time_per_output_token_seconds",
                               "Per request: (E2E - TTFT) / (output tokens - 1)", registry=r, buckets=_TOKEN_BUCKETS)
-        self.itl = Histogram("m3jax_inter_token_latency_seconds", "Time between consecutive tokens of a request",
-                             registry=r, buckets=_TOKEN_BUCKETS)
         self.e2e = Histogram("m3jax_e2e_request_latency_seconds", "Time from arrival to the last token",
                              registry=r, buckets=_E2E_BUCKETS)
         self.queue = Histogram("m3jax_request_queue_time_seconds", "Time from the engine's arrival of a request to "
@@ -104,7 +152,6 @@ class ServerMetrics:
         self.delivery = Histogram("m3jax_first_token_delivery_seconds", "Time from the engine's first token of a "
                                   "request to the server's handler", registry=r, buckets=_TTFT_BUCKETS)
         self.prompt_tokens = Counter("m3jax_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
-        self.generation_tokens = Counter("m3jax_generation_tokens", "Generated tokens", registry=r)
         self.requests = Counter("m3jax_requests", "Requests admitted by a server, by API and how they ended "
                                 "(stop, length, abort, cancelled: the client left, invalid: refused as a bad "
                                 "request, error)", ["api", "finish_reason"], registry=r)
@@ -118,11 +165,6 @@ class ServerMetrics:
         self.v_tpot = Histogram("vllm:request_time_per_output_token_seconds", "Histogram of "
                                 "time_per_output_token_seconds per request.", name, registry=r,
                                 buckets=_TOKEN_BUCKETS).labels(model_name)
-        # vLLM observes every inter-token gap under both names (the second is the older one, which its
-        # dashboards still read).
-        self.v_itl = [Histogram(n, "Histogram of inter-token latency in seconds.", name, registry=r,
-                                buckets=_TOKEN_BUCKETS).labels(model_name)
-                      for n in ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds")]
         self.v_e2e = Histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
                                name, registry=r, buckets=_E2E_BUCKETS).labels(model_name)
         self.v_queue = Histogram("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for "
@@ -140,8 +182,6 @@ class ServerMetrics:
                                       "parameter.", name, registry=r, buckets=token_buckets).labels(model_name)
         self.v_prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", name,
                                        registry=r).labels(model_name)
-        self.v_generation_tokens = Counter("vllm:generation_tokens", "Number of generation tokens processed.",
-                                           name, registry=r).labels(model_name)
         self.v_success = Counter("vllm:request_success", "Count of successfully processed requests.",
                                  ["finished_reason", "model_name"], registry=r)
         for reason in ("stop", "length", "abort", "error"):  # present from the start, as vLLM's are
@@ -170,14 +210,11 @@ class ServerMetrics:
 
     def tokens(self, n: int, gap: float | None) -> None:
         """`n` tokens arrived together, `gap` seconds after the request's previous ones (None: the first)."""
-        if gap is not None:
-            for _ in range(n):  # tokens that arrive together share the gap
-                self.itl.observe(gap / n)
-                for h in self.v_itl:
-                    h.observe(gap / n)
-        self.generation_tokens.inc(n)
-        self.v_generation_tokens.inc(n)
-        self.generation_tokens_count += n
+        self.per_token.tokens(n, gap)
+
+    @property
+    def generation_tokens_count(self) -> int:
+        return self.per_token.generated
 
     def finished(self, api: str, reason: str, *, e2e: float | None = None, decode: float | None = None,
                  prompt_tokens: int = 0, generated: int = 0, max_tokens: int | None = None) -> None:

@@ -103,7 +103,9 @@ def device_timeline(fn: Callable[..., Any], *, calls: int = 3, gaps: int = 12,
     """Where the device idles inside one call of `fn()`: each of `calls` calls runs alone (waited for) under the
     GPU trace. Per call: the span from its first kernel's start to its last kernel's end, the kernels' busy
     time, and the idle time between them; for the median call, the `gaps` longest idle stretches of at least
-    `min_gap_us`, each with the kernels either side and its offset from the first kernel. A call whose wall
+    `min_gap_us`, each with the kernels either side and its offset from the first kernel, and its `gaps` * 2
+    costliest kernels with the HLO op and the JAX name stack (`tf_op`: the jitted function, scopes and primitive)
+    that the trace names for each, which tells apart kernels of the same name. A call whose wall
     time is well over its span waits on the host before its first kernel or after its last; idle inside the
     span is the host launching kernels more slowly than the device runs them (or a wait inside the graph).
     Empty on the CPU."""
@@ -119,12 +121,17 @@ def device_timeline(fn: Callable[..., Any], *, calls: int = 3, gaps: int = 12,
         paths = glob.glob(f"{d}/**/*.xplane.pb", recursive=True)
         data = jax.profiler.ProfileData.from_file(paths[0]) if paths else None
     events: list[tuple[int, int, str]] = []
+    origin: dict[str, str] = {}  # kernel name -> "hlo_op | tf_op" from the trace's stats
     for plane in data.planes if data else []:
         if not plane.name.startswith("/device:GPU"):
             continue
         lines = list(plane.lines)
         for line in [ln for ln in lines if ln.name.startswith("Stream")] or lines:
-            events += [(ev.start_ns, ev.start_ns + ev.duration_ns, ev.name) for ev in line.events]
+            for ev in line.events:
+                events.append((ev.start_ns, ev.start_ns + ev.duration_ns, ev.name))
+                if ev.name not in origin:
+                    stats = {k: str(v) for k, v in ev.stats}
+                    origin[ev.name] = f"{stats.get('hlo_op', '')} | {stats.get('tf_op', '')}"[:200]
     if not events:
         return {}
     events.sort()
@@ -149,10 +156,16 @@ def device_timeline(fn: Callable[..., Any], *, calls: int = 3, gaps: int = 12,
         per_call.append({"span_us": round((end - start) / 1e3, 1), "busy_us": round(busy / 1e3, 1),
                          "idle_us": round(idle / 1e3, 1), "kernels": len(g),
                          "gaps": sorted(holes, key=lambda h: -h["us"])[:gaps]})
-    mid = sorted(per_call, key=lambda c: c["span_us"])[len(per_call) // 2]
+    i_mid = sorted(range(len(per_call)), key=lambda i: per_call[i]["span_us"])[len(per_call) // 2]
+    by_kernel: dict[str, float] = defaultdict(float)
+    for s, e, name in groups[i_mid]:
+        by_kernel[name] += (e - s) / 1e3
+    costliest = sorted(by_kernel.items(), key=lambda kv: -kv[1])[:2 * gaps]
     return {"wall_us": [round(w * 1e6, 1) for w in walls], "calls": [{k: v for k, v in c.items() if k != "gaps"}
                                                                      for c in per_call],
-            "median_call_gaps": mid["gaps"]}
+            "median_call_gaps": per_call[i_mid]["gaps"],
+            "median_call_kernels": [{"kernel": k[:80], "us": round(us, 1), "origin": origin.get(k, "")}
+                                    for k, us in costliest]}
 
 
 def git_rev() -> str:

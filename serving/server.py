@@ -56,7 +56,7 @@ from m3jax.settings import Settings, flag
 from m3jax.settings import add_arguments as add_settings_arguments
 from serving.core import EngineCore, Prompt
 from serving.engine import AsyncEngine
-from serving.engine_process import RemoteCore
+from serving.engine_process import RemoteCore, freeze_heap
 from serving.metrics import Reading, ServerMetrics
 from serving.outputs import RequestOutput, SamplingParams
 from serving.reasoning import (
@@ -948,6 +948,7 @@ def serve(args: argparse.Namespace) -> int:
     # 0.5 ms switch interval (Python's is 5 ms) hands the GIL back to the engine thread sooner after each wait
     # for the device, so that the next step is dispatched on time.
     sys.setswitchinterval(0.0005)
+    freeze_heap()  # after the engine (in this process or its own) is ready, before the first request
     try:
         asyncio.run(_serve_async(core, settings, listeners), loop_factory=_event_loop_factory())
     except (OSError, EngineLost) as e:

@@ -105,10 +105,10 @@ def device_timeline(fn: Callable[..., Any], *, calls: int = 3, gaps: int = 12,
     time, and the idle time between them; for the median call, the `gaps` longest idle stretches of at least
     `min_gap_us`, each with the kernels either side and its offset from the first kernel, and its `gaps` * 2
     costliest kernels with the HLO op and the JAX name stack (`tf_op`: the jitted function, scopes and primitive)
-    that the trace names for each, which tells apart kernels of the same name. A call whose wall
-    time is well over its span waits on the host before its first kernel or after its last; idle inside the
-    span is the host launching kernels more slowly than the device runs them (or a wait inside the graph).
-    Empty on the CPU."""
+    that the trace names for each (to tell apart kernels of the same name). A call whose wall time is well
+    over its span waits on the host before its first kernel or after its last; idle inside the span is the
+    host launching kernels more slowly than the device runs them (or a wait inside the graph). Empty on the
+    CPU."""
     jax.block_until_ready(fn())
     walls: list[float] = []
     with tempfile.TemporaryDirectory() as d:

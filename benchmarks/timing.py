@@ -63,39 +63,57 @@ def fresh_like(x: jax.Array, n: int, seed: int = 0) -> list[jax.Array]:
     return [jax.random.normal(jax.random.key(seed + i), x.shape, x.dtype) for i in range(n)]
 
 
-def device_profile(fn: Callable[..., Any], arg_sets: Sequence[tuple], *, calls: int = 20,
-                   top: int = 8) -> dict[str, Any]:
-    """The GPU's own record of `calls` back-to-back calls (jax.profiler / CUPTI): kernel-busy seconds per call
-    (the sum of its kernels' durations, so host gaps between calls do not count) and the `top` kernels by time,
-    in microseconds per call. Empty where the trace holds no GPU kernels (on the CPU)."""
-    for a in arg_sets:
-        jax.block_until_ready(fn(*a))
+def _gpu_trace(run: Callable[[], Any]) -> tuple[list[tuple[int, int, str]], dict[str, dict[str, str]],
+                                                 list[str]]:
+    """Run `run()` under the GPU's trace (jax.profiler / CUPTI): its kernel and memcpy events as (start ns, end ns,
+    name), sorted; the trace's stats of each name's first event (`hlo_op`, `tf_op`, ...); the stream lines'
+    names. Events are taken from the stream lines (the other lines, XLA Ops and XLA Modules, repeat them).
+    Empty on the CPU."""
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d):
-            out = None
-            for i in range(calls):
-                out = fn(*arg_sets[i % len(arg_sets)])
-            jax.block_until_ready(out)
+            run()
         paths = glob.glob(f"{d}/**/*.xplane.pb", recursive=True)
         data = jax.profiler.ProfileData.from_file(paths[0]) if paths else None
-    per_kernel: dict[str, float] = defaultdict(float)
-    events = 0
+    events: list[tuple[int, int, str]] = []
+    stats: dict[str, dict[str, str]] = {}
+    names: set[str] = set()
     for plane in data.planes if data else []:
         if not plane.name.startswith("/device:GPU"):
             continue
         lines = list(plane.lines)
-        # Kernel and memcpy events sit on the stream lines; the others (XLA Ops, XLA Modules, ...) repeat them.
-        streams = [ln for ln in lines if ln.name.startswith("Stream")] or lines
-        for line in streams:
+        for line in [ln for ln in lines if ln.name.startswith("Stream")] or lines:
+            names.add(line.name)
             for ev in line.events:
-                per_kernel[ev.name] += ev.duration_ns * 1e-9
-                events += 1
+                events.append((ev.start_ns, ev.start_ns + ev.duration_ns, ev.name))
+                if ev.name not in stats:
+                    stats[ev.name] = {k: str(v) for k, v in ev.stats}
+    return sorted(events), stats, sorted(names)
+
+
+def device_profile(fn: Callable[..., Any], arg_sets: Sequence[tuple], *, calls: int = 20,
+                   top: int = 8) -> dict[str, Any]:
+    """The GPU's own record of `calls` back-to-back calls: kernel-busy seconds per call (the sum of its kernels'
+    durations, so host gaps between calls do not count) and the `top` kernels by time, in microseconds per call.
+    Empty where the trace holds no GPU kernels (on the CPU)."""
+    for a in arg_sets:
+        jax.block_until_ready(fn(*a))
+
+    def run() -> None:
+        out = None
+        for i in range(calls):
+            out = fn(*arg_sets[i % len(arg_sets)])
+        jax.block_until_ready(out)
+
+    events, _, lines = _gpu_trace(run)
+    per_kernel: dict[str, float] = defaultdict(float)
+    for start, end, name in events:
+        per_kernel[name] += (end - start) * 1e-9
     if not per_kernel:
         return {}
     busy = sum(per_kernel.values()) / calls
     ranked = sorted(per_kernel.items(), key=lambda kv: -kv[1])
     return {"device_busy_s": busy, "kernels_us": {k[:80]: round(v / calls * 1e6, 2) for k, v in ranked[:top]},
-            "kernels_per_call": events / calls, "trace_lines": sorted({ln.name for ln in streams})[:6]}
+            "kernels_per_call": len(events) / calls, "trace_lines": lines[:6]}
 
 
 def device_timeline(fn: Callable[..., Any], *, calls: int = 3, gaps: int = 12,
@@ -111,36 +129,25 @@ def device_timeline(fn: Callable[..., Any], *, calls: int = 3, gaps: int = 12,
     CPU."""
     jax.block_until_ready(fn())
     walls: list[float] = []
-    with tempfile.TemporaryDirectory() as d:
-        with jax.profiler.trace(d):
-            for _ in range(calls):
-                t = time.perf_counter()
-                jax.block_until_ready(fn())
-                walls.append(time.perf_counter() - t)
-                time.sleep(0.02)  # a clear break between calls in the trace
-        paths = glob.glob(f"{d}/**/*.xplane.pb", recursive=True)
-        data = jax.profiler.ProfileData.from_file(paths[0]) if paths else None
-    events: list[tuple[int, int, str]] = []
-    origin: dict[str, str] = {}  # kernel name -> "hlo_op | tf_op" from the trace's stats
-    for plane in data.planes if data else []:
-        if not plane.name.startswith("/device:GPU"):
-            continue
-        lines = list(plane.lines)
-        for line in [ln for ln in lines if ln.name.startswith("Stream")] or lines:
-            for ev in line.events:
-                events.append((ev.start_ns, ev.start_ns + ev.duration_ns, ev.name))
-                if ev.name not in origin:
-                    stats = {k: str(v) for k, v in ev.stats}
-                    origin[ev.name] = f"{stats.get('hlo_op', '')} | {stats.get('tf_op', '')}"[:200]
+    pause_s = 0.02  # between calls: a clear break in the trace, where the calls are told apart
+
+    def run() -> None:
+        for _ in range(calls):
+            t = time.perf_counter()
+            jax.block_until_ready(fn())
+            walls.append(time.perf_counter() - t)
+            time.sleep(pause_s)
+
+    events, stats, _ = _gpu_trace(run)
     if not events:
         return {}
-    events.sort()
-    # Split into calls at the 20 ms breaks.
-    groups: list[list[tuple[int, int, str]]] = [[events[0]]]
-    for ev in events[1:]:
-        if ev[0] - max(e[1] for e in groups[-1][-8:]) > 10_000_000:
+    groups: list[list[tuple[int, int, str]]] = []
+    last_end = None
+    for ev in events:
+        if last_end is None or ev[0] - last_end > pause_s * 1e9 / 2:
             groups.append([])
         groups[-1].append(ev)
+        last_end = ev[1] if last_end is None else max(last_end, ev[1])
     per_call = []
     for g in groups:
         start, end = g[0][0], max(e[1] for e in g)
@@ -161,10 +168,15 @@ def device_timeline(fn: Callable[..., Any], *, calls: int = 3, gaps: int = 12,
     for s, e, name in groups[i_mid]:
         by_kernel[name] += (e - s) / 1e3
     costliest = sorted(by_kernel.items(), key=lambda kv: -kv[1])[:2 * gaps]
+
+    def origin(name: str) -> str:
+        st = stats.get(name, {})
+        return f"{st.get('hlo_op', '')} | {st.get('tf_op', '')}"[:200]
+
     return {"wall_us": [round(w * 1e6, 1) for w in walls], "calls": [{k: v for k, v in c.items() if k != "gaps"}
                                                                      for c in per_call],
             "median_call_gaps": per_call[i_mid]["gaps"],
-            "median_call_kernels": [{"kernel": k[:80], "us": round(us, 1), "origin": origin.get(k, "")}
+            "median_call_kernels": [{"kernel": k[:80], "us": round(us, 1), "origin": origin(k)}
                                     for k, us in costliest]}
 
 

@@ -14,6 +14,8 @@ import dataclasses
 from serving.request import FinishReason, Request
 from serving.tokenizer import IncrementalDetokenizer, StopChecker
 
+_MAX_PIECES = 64  # text pieces a request keeps before joining them (a join copies the text: every 64 tokens)
+
 
 @dataclasses.dataclass
 class TextState:
@@ -21,7 +23,29 @@ class TextState:
 
     detok: IncrementalDetokenizer | None
     stops: StopChecker
-    text: str = ""  # emitted so far (stop strings excluded); only ever grows, so streams send its new tail
+    # The text emitted so far (stop strings excluded) in pieces: it only grows, and a stream reads its new tail
+    # (`since`) each step, which must not copy the whole text, as `+=` on a string would.
+    pieces: list[str] = dataclasses.field(default_factory=list)
+    length: int = 0
+
+    @property
+    def text(self) -> str:
+        if len(self.pieces) > 1:
+            self.pieces[:] = ["".join(self.pieces)]
+        return self.pieces[0] if self.pieces else ""
+
+    def since(self, start: int) -> str:
+        """The text from character `start` on, in time proportional to its length."""
+        want = self.length - start
+        if want <= 0:
+            return ""
+        tail, got, i = [], 0, len(self.pieces)
+        while got < want:
+            i -= 1
+            tail.append(self.pieces[i])
+            got += len(self.pieces[i])
+        joined = "".join(reversed(tail))
+        return joined[len(joined) - want:]
 
     def push(self, token_id: int | None, final: bool) -> bool:
         """Add a token's text (None: no token, only the end when `final`); True when a stop string has been
@@ -34,7 +58,11 @@ class TextState:
         new, stopped = self.stops.push(piece)
         if final and not stopped:
             new += self.stops.flush()
-        self.text += new
+        if new:
+            self.pieces.append(new)
+            self.length += len(new)
+            if len(self.pieces) > _MAX_PIECES:  # a str object per token would cost more than the copy saved
+                self.pieces[:] = ["".join(self.pieces)]
         return stopped
 
 

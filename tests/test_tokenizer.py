@@ -424,3 +424,30 @@ def test_engine_loop(tok: M3Tokenizer) -> None:
         if stopped:
             break
     assert stopped and "".join(out) == "Γειά 😀 world. 你好 "
+
+
+def test_text_state_reads_any_tail_of_its_text(tok: M3Tokenizer) -> None:
+    """`TextState.since(k)` is `text[k:]` wherever k falls: inside a piece, on a boundary, across many pieces,
+    after they were joined (more than 64, or `text` read), and at the end (""). The engine reads each step's new
+    tail (`since(seen)`); those reads join to the text."""
+    from serving.stopping import TextState
+
+    text = "Γειά 😀 world. 你好 " * 12 + "STOP not this"
+    ids = _byte_ids(tok, text.encode())
+    assert len(ids) > 100
+    state = TextState(IncrementalDetokenizer(tok), StopChecker(["STOP"]))
+    rng = np.random.default_rng(0)
+    reads, seen = [], 0
+    for n, i in enumerate(ids):
+        stopped = state.push(i, final=n == len(ids) - 1)
+        reads.append(state.since(seen))
+        seen += len(reads[-1])
+        if n in (30, 100) or stopped or n == len(ids) - 1:
+            ks = sorted({0, seen, state.length, *rng.integers(0, state.length + 1, 8).tolist()})
+            tails = [state.since(k) for k in ks]  # before `text` joins the pieces
+            whole = state.text
+            assert state.length == len(whole) == seen and "".join(reads) == whole
+            assert tails == [whole[k:] for k in ks], n
+        if stopped:
+            break
+    assert stopped and state.text == "Γειά 😀 world. 你好 " * 12

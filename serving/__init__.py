@@ -3,6 +3,7 @@
 from serving.api import LLM
 from serving.core import EngineCore
 from serving.engine import AsyncEngine
-from serving.outputs import CompletionOutput, RequestOutput, SamplingParams
+from serving.outputs import CompletionOutput, RequestOutput, RequestOutputKind, SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineCore", "AsyncEngine"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "RequestOutputKind", "CompletionOutput", "EngineCore",
+           "AsyncEngine"]

@@ -16,7 +16,7 @@ from typing import Any
 from m3jax.settings import ENGINE, KERNELS, MODEL, Settings
 from serving.core import EngineCore, Prompt
 from serving.engine import AsyncEngine
-from serving.outputs import RequestOutput, SamplingParams
+from serving.outputs import RequestOutput, RequestOutputKind, SamplingParams
 
 Message = Mapping[str, Any]
 
@@ -58,6 +58,10 @@ class LLM:
             per_prompt = list(params)
         else:
             per_prompt = [params] * len(prompts)
+        # Only the finished output is returned, so it must be the whole one.
+        per_prompt = [dataclasses.replace(p, output_kind=RequestOutputKind.CUMULATIVE)
+                      if p is not None and p.output_kind is not RequestOutputKind.CUMULATIVE else p
+                      for p in per_prompt]
         prepared = []
         for i, (prompt, p) in enumerate(zip(prompts, per_prompt, strict=True)):
             try:

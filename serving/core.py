@@ -34,7 +34,7 @@ from m3jax.eagle import DraftPages
 from m3jax.settings import Settings
 from serving.executables import enable_xla_cache
 from serving.kv_cache import PageAllocator
-from serving.outputs import CompletionOutput, Logprob, RequestOutput, SamplingParams
+from serving.outputs import CompletionOutput, Logprob, RequestOutput, RequestOutputKind, SamplingParams
 from serving.request import FinishReason, Request
 from serving.runner import Draft, InFlight, ModelRunner, StepFailed
 from serving.sampling import TokenConstraints, uses_penalty
@@ -156,6 +156,13 @@ class OutputDelta(NamedTuple):
     metrics: dict[str, float]
     logprobs: list[Logprob] | None  # compact: the entries this step added
     prompt_logprobs: list[Logprob | None] | None  # compact: once, with the first token
+
+
+def delta_output(delta: OutputDelta, parent_id: str | None, index: int, prompt: str | None,
+                 prompt_ids: list[int]) -> RequestOutput:
+    """The RequestOutput of a RequestOutputKind.DELTA request: the step's delta alone, no cumulative copy."""
+    return request_output(delta, parent_id, index, prompt, prompt_ids, delta.delta_text, delta.delta_token_ids,
+                          delta.logprobs, delta.prompt_logprobs)
 
 
 def request_output(delta: OutputDelta, parent_id: str | None, index: int, prompt: str | None,
@@ -695,26 +702,33 @@ class EngineCore:
                     if not siblings:
                         del self._by_parent[req.parent_id]
             self.stats[f"finished_{reason.value}"] += 1
-        text = req.text.text if req.text is not None else ""
-        delta_text = text[client.sent_chars:]  # the text only grows; a speculative step may add several tokens'
-        client.sent_chars = len(text)
+        # The text only grows; a speculative step may add several tokens' worth. `since` reads the new tail
+        # without copying the rest.
+        delta_text = req.text.since(client.sent_chars) if req.text is not None else ""
+        client.sent_chars += len(delta_text)
         # Once the prompt is computed (its first token's output on); the list is only rewritten in place.
         prompt_logprobs = client.prompt_logprobs if req.first_token_time is not None else None
         delta = OutputDelta(req.request_id, delta_ids, delta_text, reason.value if reason else None,
                             req.stop_reason if reason is FinishReason.STOP else None, error, rejected, metrics,
                             None, None)
-        if client.compact:
+        cumulative = req.sampling.output_kind is RequestOutputKind.CUMULATIVE
+        if client.compact or not cumulative:
             if client.logprobs is not None:
                 delta = delta._replace(logprobs=client.logprobs[client.sent_logprobs:])
                 client.sent_logprobs = len(client.logprobs)
             if prompt_logprobs is not None and not client.sent_prompt_logprobs:
                 delta = delta._replace(prompt_logprobs=prompt_logprobs)
                 client.sent_prompt_logprobs = True
+        if client.compact:
             if client.sink is not None:
                 client.sink(delta)
             return
-        out = request_output(delta, req.parent_id, req.index, client.prompt, req.prompt_ids, text, list(ids),
-                             list(client.logprobs) if client.logprobs is not None else None, prompt_logprobs)
+        if cumulative:
+            text = req.text.text if req.text is not None else ""
+            out = request_output(delta, req.parent_id, req.index, client.prompt, req.prompt_ids, text, list(ids),
+                                 list(client.logprobs) if client.logprobs is not None else None, prompt_logprobs)
+        else:
+            out = delta_output(delta, req.parent_id, req.index, client.prompt, req.prompt_ids)
         outputs.append(out)
         if client.sink is not None:
             client.sink(out)

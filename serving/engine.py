@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator
 
 from serving.core import EngineCore, Prompt
 from serving.engine_process import RemoteCore
-from serving.outputs import RequestOutput, SamplingParams
+from serving.outputs import RequestOutput, RequestOutputKind, SamplingParams
 
 
 class _Mailbox:
@@ -54,11 +54,19 @@ class _Mailbox:
             queue.put_nowait(out)
 
 
-def merge(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
-    """Two consecutive outputs of one stream (same choice) as one: the later's state (text, ids, logprobs and
-    everything else is cumulative) with both deltas."""
-    return dataclasses.replace(later, delta_text=earlier.delta_text + later.delta_text,
-                               delta_token_ids=earlier.delta_token_ids + later.delta_token_ids)
+def merge(earlier: RequestOutput, later: RequestOutput, kind: RequestOutputKind) -> RequestOutput:
+    """Two consecutive outputs of one stream (same choice) as one, with both deltas: the later's state, which is
+    cumulative (text, ids, logprobs), or with RequestOutputKind.DELTA both outputs' text, ids and logprobs."""
+    merged = dataclasses.replace(later, delta_text=earlier.delta_text + later.delta_text,
+                                 delta_token_ids=earlier.delta_token_ids + later.delta_token_ids)
+    if kind is RequestOutputKind.DELTA:
+        e, c = earlier.outputs[0], later.outputs[0]
+        logprobs = None if e.logprobs is None and c.logprobs is None else (e.logprobs or []) + (c.logprobs or [])
+        merged.outputs = [dataclasses.replace(c, text=e.text + c.text, token_ids=e.token_ids + c.token_ids,
+                                              logprobs=logprobs)]
+        if merged.prompt_logprobs is None:
+            merged.prompt_logprobs = earlier.prompt_logprobs  # sent once, with the first output that has them
+    return merged
 
 
 class AsyncEngine:
@@ -85,6 +93,7 @@ class AsyncEngine:
         for req, text in group:
             self.core.submit(req, text, sink=lambda out: box.post(queue, out))
         rid = group[0][0].parent_id or group[0][0].request_id
+        kind = params.output_kind if params is not None else RequestOutputKind.CUMULATIVE
         left = len(group)
         held: RequestOutput | None = None  # taken from the queue but not mergeable into the output before it
         try:
@@ -95,7 +104,7 @@ class AsyncEngine:
                     if nxt.error is not None or nxt.outputs[0].index != out.outputs[0].index:
                         held = nxt
                         break
-                    out = merge(out, nxt)
+                    out = merge(out, nxt, kind)
                 if out.error is not None:
                     left = 0  # an errored request is already finished: nothing to abort
                     # A rejected request is the client's fault; a failed step is the server's.

@@ -46,10 +46,11 @@ from serving.core import (
     Prompt,
     Sink,
     check_group,
+    delta_output,
     load_tokenizer,
     request_output,
 )
-from serving.outputs import Logprob, RequestOutput, SamplingParams
+from serving.outputs import Logprob, RequestOutput, RequestOutputKind, SamplingParams
 
 log = logging.getLogger("m3jax.engine_process")
 
@@ -197,7 +198,8 @@ def child_main(settings: Settings, conn: Any, log_level: str, log_format: str) -
 
 @dataclasses.dataclass
 class _Stream:
-    """A request's cumulative output on the client side of the pipe."""
+    """A request's output on the client side of the pipe: made cumulative here (RequestOutputKind.CUMULATIVE),
+    or passed on as it came (DELTA: nothing kept, nothing copied)."""
 
     prepared: Prepared
     sink: Sink
@@ -208,6 +210,8 @@ class _Stream:
 
     def apply(self, delta: OutputDelta) -> RequestOutput:
         p = self.prepared
+        if p.params.output_kind is RequestOutputKind.DELTA:
+            return delta_output(delta, p.parent_id, p.index, p.text, p.prompt_ids)
         self.text += delta.delta_text
         self.token_ids.extend(delta.delta_token_ids)
         if delta.logprobs is not None:

@@ -240,14 +240,14 @@ def _token_logprob(lp: Logprob) -> pb.TokenLogprob:
 
 
 class _Answer:
-    """The GenerateResponses of one request: per choice, what has been sent and its message parser."""
+    """The GenerateResponses of one request, one per output (each a delta: RequestOutputKind.DELTA), with each
+    choice's message parser and the usage so far."""
 
     def __init__(self, stream: RequestStream, chat: bool):
         self.stream = stream
         self.parse = chat and stream.plan.parses
         self.first = True
         self.sent_prompt_logprobs = False
-        self.sent_logprobs: dict[int, int] = {}
         self.parsers: dict[int, MessageParser] = {}
         self.completion_tokens = 0
 
@@ -277,9 +277,8 @@ class _Answer:
         if out.prompt_logprobs is not None and not self.sent_prompt_logprobs:
             self.sent_prompt_logprobs = True
             msg.prompt_logprobs.extend(_token_logprob(lp) for lp in out.prompt_logprobs[1:])
-        sent = self.sent_logprobs.get(c.index, 0)
-        msg.logprobs.extend(_token_logprob(lp) for lp in (c.logprobs or [])[sent:])
-        self.sent_logprobs[c.index] = len(c.logprobs or ())
+        msg.logprobs.extend(_token_logprob(lp) for lp in c.logprobs or ())
+        self.completion_tokens += len(out.delta_token_ids)
         if out.finished:
             reason, stop = c.finish_reason, c.stop_reason
             if parser is not None:
@@ -291,7 +290,6 @@ class _Answer:
                 msg.stop_string = stop
             elif isinstance(stop, int):
                 msg.stop_token_id = stop
-            self.completion_tokens += len(c.token_ids)
             if self.stream.choices_left == 0:  # the stream's last message: usage of every choice
                 n_prompt = len(out.prompt_token_ids)
                 msg.usage.CopyFrom(pb.Usage(prompt_tokens=n_prompt, completion_tokens=self.completion_tokens,

@@ -467,29 +467,27 @@ def _dumps(obj: Any) -> bytes:
     return _ENCODER.encode(obj).encode()
 
 
-def _usage(finals: dict[int, RequestOutput]) -> dict[str, int]:
-    """Usage of a request: its prompt once, the completion tokens of every choice."""
-    outs = list(finals.values())
-    p = len(outs[0].prompt_token_ids) if outs else 0
-    c = sum(len(o.outputs[0].token_ids) for o in outs)
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
-
-
 class _Choice:
     """One choice of an answer: what has been sent of it, and its message parser (chat with parsers)."""
 
     def __init__(self, index: int, parser: MessageParser | None):
         self.index = index
         self.parser = parser
-        self.sent_logprobs = 0
+        self.num_tokens = 0  # generated so far (usage)
         self.text_offset = 0
         self.started = False
+        # A whole (not streamed) answer: the choice's updates, which are deltas, gathered until it finishes.
+        self.pieces: list[str] = []
+        self.token_ids: list[int] = []
+        self.logprobs: list[Logprob] | None = None
+        self.prompt_logprobs: list[Logprob | None] | None = None
 
 
 class _Answer:
     """Builds the OpenAI objects of one request, streaming or not (completions or chat), for each of its
     choices. Chat replies of a request with parsers (`OutputPlan.parses`) are split into reasoning_content,
-    content and tool_calls; completions may echo the prompt."""
+    content and tool_calls; completions may echo the prompt. Its outputs are deltas (RequestOutputKind.DELTA):
+    a chunk is made of one (`chunk`); a whole answer gathers them (`gather`) and is made once all have come."""
 
     def __init__(self, server: HttpServer, stream: RequestStream, chat: bool, options: Options,
                  echo: str | None = None):
@@ -552,10 +550,10 @@ class _Answer:
 
     def _choice(self, out: RequestOutput, body: dict[str, Any], token_ids: list[int], st: _Choice
                 ) -> dict[str, Any]:
-        """The choice object around `body` (its message, delta or text)."""
+        """The choice object around `body` (its message, delta or text); `out` holds what the object covers (a
+        chunk's delta, or a whole choice)."""
         c = out.outputs[0]
-        entries = (c.logprobs or [])[st.sent_logprobs:] if c.logprobs is not None else None
-        st.sent_logprobs = len(c.logprobs or ())
+        entries = c.logprobs
         choice: dict[str, Any] = {"index": c.index, **body}
         echoed = None
         prompt_entries = out.prompt_logprobs if not st.started else None  # a choice's first object has them
@@ -627,8 +625,31 @@ class _Answer:
         body = self._envelope(choices, stream=False)
         if self.chat and self.options.prompt_logprobs is not None and self.finals:  # vLLM: at the top of a chat answer
             body["prompt_logprobs"] = self.prompt_logprobs(self.finals[min(self.finals)].prompt_logprobs or [])
-        body["usage"] = _usage(self.finals)
+        body["usage"] = self._usage()
         return body
+
+    def gather(self, out: RequestOutput) -> None:
+        """One update of a whole answer: kept, and once its choice has finished, made whole into `finals`."""
+        c = out.outputs[0]
+        st = self.choice(c.index)
+        st.num_tokens += len(c.token_ids)
+        st.pieces.append(c.text)
+        st.token_ids.extend(c.token_ids)
+        if c.logprobs is not None:
+            if st.logprobs is None:
+                st.logprobs = []
+            st.logprobs.extend(c.logprobs)
+        if out.prompt_logprobs is not None:
+            st.prompt_logprobs = out.prompt_logprobs
+        if out.finished:
+            whole = dataclasses.replace(c, text="".join(st.pieces), token_ids=st.token_ids, logprobs=st.logprobs)
+            self.finals[c.index] = dataclasses.replace(out, outputs=[whole], prompt_logprobs=st.prompt_logprobs)
+
+    def _usage(self) -> dict[str, int]:
+        """Usage of a request: its prompt once, the completion tokens of every choice."""
+        p = len(next(iter(self.finals.values())).prompt_token_ids) if self.finals else 0
+        c = sum(st.num_tokens for st in self.choices.values())
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
     def role_chunk(self, n: int) -> dict[str, Any]:
         chunk = self._envelope([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -640,6 +661,7 @@ class _Answer:
     def chunk(self, out: RequestOutput) -> dict[str, Any]:
         index = out.outputs[0].index
         st = self.choice(index)
+        st.num_tokens += len(out.delta_token_ids)
         if out.finished:
             self.finals[index] = out
         if self.chat:
@@ -657,7 +679,7 @@ class _Answer:
 
     def usage_chunk(self) -> dict[str, Any]:
         chunk = self._envelope([], stream=True)
-        chunk["usage"] = _usage(self.finals)
+        chunk["usage"] = self._usage()
         return chunk
 
 
@@ -919,12 +941,10 @@ class HttpServer:
                     self._decode, first.prompt_token_ids, stream.params.skip_special_tokens)
             answer = _Answer(self, stream, chat, options, echo)
             if not options.stream:
-                if first.finished:
-                    answer.finals[first.outputs[0].index] = first
+                answer.gather(first)
                 try:
                     async for out in stream:
-                        if out.finished:
-                            answer.finals[out.outputs[0].index] = out
+                        answer.gather(out)
                 except RuntimeError as e:
                     raise APIError(f"generation failed: {e}", 500, "internal_server_error") from None
                 return web.json_response(answer.full(), dumps=lambda o: _dumps(o).decode())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections.abc import Sequence
 
 from serving.sampling import DEFAULT_MAX_LOGPROBS as MAX_LOGPROBS
@@ -10,6 +11,19 @@ from serving.sampling import MAX_LOGIT_BIAS, validate_sampling
 from serving.structured import StructuredOutputsParams
 
 MAX_N = 16  # choices per request
+
+
+class RequestOutputKind(enum.Enum):
+    """What each RequestOutput of a request holds (vLLM's names).
+
+    CUMULATIVE: every output carries the whole text, token ids and logprobs so far (what `LLM.stream` users
+    expect). DELTA: each carries only what its update added, in `outputs[0]` as in `delta_text` /
+    `delta_token_ids`, and `prompt_logprobs` once; for streaming front ends, so that an update costs the same at
+    the 8,000th token as at the first (a cumulative update copies the whole output each time).
+    """
+
+    CUMULATIVE = 0
+    DELTA = 1
 
 
 @dataclasses.dataclass
@@ -32,6 +46,7 @@ class SamplingParams:
     n: int = 1  # independent samples of the same prompt (its pages shared through the prefix cache)
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
     structured_outputs: StructuredOutputsParams | None = None  # a grammar the output must follow
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # what each RequestOutput holds
 
     def __post_init__(self) -> None:
         self.validate()
@@ -52,6 +67,8 @@ class SamplingParams:
                     raise ValueError(f"logit_bias: {tok!r} is not a token id")
                 if isinstance(bias, bool) or not isinstance(bias, int | float) or not -100 <= bias <= 100:
                     raise ValueError(f"logit_bias[{tok}]: must be a number in [-100, 100], got {bias!r}")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise bad("output_kind", "must be a RequestOutputKind")
         if self.structured_outputs is not None:
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 raise bad("structured_outputs", "must be a StructuredOutputsParams")
@@ -101,12 +118,13 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
-    # Streaming: what this update added (text and ids since the previous RequestOutput of this request).
+    # What this update added (text and ids since the previous RequestOutput of this request), whatever the
+    # request's output_kind.
     delta_text: str = ""
     delta_token_ids: list[int] = dataclasses.field(default_factory=list)
     error: str | None = None
     rejected: bool = False  # the error is the request's fault (refused at admission), not the engine's
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)
     # With SamplingParams.prompt_logprobs: one entry per prompt token (None for the first, which has no context),
-    # in every output once the prompt has been computed.
+    # in every output once the prompt has been computed (with RequestOutputKind.DELTA: in the first such only).
     prompt_logprobs: list[Logprob | None] | None = None

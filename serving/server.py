@@ -58,7 +58,7 @@ from serving.core import EngineCore, Prompt
 from serving.engine import AsyncEngine
 from serving.engine_process import RemoteCore, freeze_heap
 from serving.metrics import Reading, ServerMetrics
-from serving.outputs import RequestOutput, SamplingParams
+from serving.outputs import RequestOutput, RequestOutputKind, SamplingParams
 from serving.reasoning import (
     THINK_END,
     THINK_START,
@@ -315,6 +315,9 @@ class RequestStream:
         self.core = core
         self.request_id = request_id
         self.api = api
+        # The front ends read each update's delta and keep what they need: an update then copies nothing of
+        # the output before it (`params` is the front end's own, built for this request).
+        params.output_kind = RequestOutputKind.DELTA
         self.params = params
         self.max_tokens_param = max_tokens_param
         self.plan = plan if plan is not None else OutputPlan()

@@ -4,6 +4,7 @@ made at start-up and none after, whatever the requests ask for; one thread steps
 
 import asyncio
 import contextlib
+import dataclasses
 import re
 import time
 
@@ -15,7 +16,7 @@ from m3jax.api import M3Model
 from m3jax.config import preset
 from m3jax.params import init_params
 from m3jax.settings import Settings
-from serving import LLM, SamplingParams
+from serving import LLM, RequestOutputKind, SamplingParams
 from serving.core import EngineCore
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
@@ -243,6 +244,24 @@ def test_abort_and_stop_token_and_logprobs(llm):
     assert core.pages_in_use == 0
 
 
+def test_generate_returns_whole_outputs_and_stream_can_give_deltas(llm):
+    """`LLM.generate` returns each request's whole output whatever `output_kind` asks (it returns only the last);
+    `LLM.stream` with RequestOutputKind.DELTA yields what each update added, which joins to that output."""
+    params = SamplingParams(temperature=0.0, max_tokens=20, logprobs=2, ignore_eos=True)
+    want = llm.generate([[9, 8, 7]], params, use_tqdm=False)[0].outputs[0]
+    delta = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
+    got = llm.generate([[9, 8, 7]], delta, use_tqdm=False)[0].outputs[0]
+    assert got == want and len(want.token_ids) == 20
+    updates = list(llm.stream([9, 8, 7], delta))
+    assert len(updates) > 1 and updates[-1].finished
+    for u in updates:
+        c = u.outputs[0]
+        assert (c.text, c.token_ids) == (u.delta_text, u.delta_token_ids) and len(c.logprobs) == len(c.token_ids)
+    joined = [x for u in updates for x in u.outputs[0].token_ids]
+    assert joined == want.token_ids and "".join(u.outputs[0].text for u in updates) == want.text
+    assert [x for u in updates for x in u.outputs[0].logprobs] == want.logprobs
+
+
 def test_one_thread_steps_the_core(llm):
     with pytest.raises(RuntimeError, match="one thread steps the core"):
         llm.core.step()
@@ -371,3 +390,23 @@ def test_restart_loads_compiled_steps_from_disk(tmp_path):
         assert outs[-1].finished
         tokens.append(outs[-1].outputs[0].token_ids)
     assert tokens[0] == tokens[1] and len(tokens[0]) == 5
+
+
+def test_waiting_delta_outputs_merge_into_one_delta():
+    """With RequestOutputKind.DELTA a merge joins both outputs' text, ids and logprobs (each holds only its own),
+    and keeps prompt_logprobs, which only the first carries."""
+    from serving.engine import merge
+    from serving.outputs import CompletionOutput, Logprob, RequestOutput
+
+    def out(ids, prompt_logprobs=None, finished=False):
+        text = "".join(chr(97 + t) for t in ids)
+        lps = [Logprob(t, -1.0, {t: -1.0}) for t in ids]
+        return RequestOutput("r", None, [1, 2], [CompletionOutput(0, text, ids, logprobs=lps)], finished, text, ids,
+                             prompt_logprobs=prompt_logprobs)
+
+    first, second = out([1, 2], prompt_logprobs=[None, Logprob(2, -0.5, {})]), out([3], finished=True)
+    m = merge(first, second, RequestOutputKind.DELTA)
+    c = m.outputs[0]
+    assert (c.text, c.token_ids, m.delta_text, m.delta_token_ids) == ("bcd", [1, 2, 3], "bcd", [1, 2, 3])
+    assert [e.token_id for e in c.logprobs] == [1, 2, 3] and m.prompt_logprobs == first.prompt_logprobs
+    assert m.finished and first.outputs[0].token_ids == [1, 2]  # the inputs are left as they were

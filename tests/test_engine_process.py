@@ -13,7 +13,7 @@ import time
 import pytest
 
 from m3jax.settings import Settings
-from serving import SamplingParams
+from serving import RequestOutputKind, SamplingParams
 from serving.core import EngineCore
 from serving.engine import AsyncEngine
 from serving.engine_process import EngineProcessExited, RemoteCore
@@ -80,6 +80,46 @@ def test_outputs_equal_the_in_process_core(remote):
     assert got[0][-1]["outputs"][0]["logprobs"] and got[2][-1]["prompt_logprobs"]
     assert got[2][-1]["outputs"][0]["finish_reason"] == "stop" or len(got[2][-1]["outputs"][0]["token_ids"]) == 12
     assert remote.facts.vocab_size == local.facts.vocab_size and remote.max_model_len == 256
+
+
+def _joined(updates):
+    """Per choice, a DELTA request's updates joined: text, ids, logprobs, and the prompt_logprobs each carried."""
+    by_choice = {}
+    for u in updates:
+        c = u["outputs"][0]
+        j = by_choice.setdefault(c["index"], {"text": "", "ids": [], "logprobs": None, "prompt_logprobs": []})
+        assert (c["text"], c["token_ids"]) == (u["delta_text"], u["delta_token_ids"])
+        j["text"] += c["text"]
+        j["ids"] += c["token_ids"]
+        if c["logprobs"] is not None:
+            j["logprobs"] = (j["logprobs"] or []) + c["logprobs"]
+        if u["prompt_logprobs"] is not None:
+            j["prompt_logprobs"].append(u["prompt_logprobs"])
+        j["finish_reason"] = c["finish_reason"]
+    return by_choice
+
+
+def test_delta_outputs_join_to_the_cumulative_ones(remote):
+    """RequestOutputKind.DELTA (what the servers ask for): each update holds only what it added, prompt_logprobs
+    come once per choice, and joined they are the cumulative outputs' last state, in this process's core and
+    through the engine process."""
+    delta_cases = [(p, dataclasses.replace(q, output_kind=RequestOutputKind.DELTA)) for p, q in CASES]
+    local = EngineCore(Settings(**SETTINGS))
+    try:
+        local_deltas = _collect(local, delta_cases)
+    finally:
+        local.shutdown(5.0)
+    cumulative, deltas = _collect(remote, CASES), _collect(remote, delta_cases)
+    for c, d, ld in zip(cumulative, deltas, local_deltas, strict=True):
+        joined = _joined(d)
+        assert joined == _joined(ld)
+        for index, (text, ids, last) in _summary(c).items():
+            j = joined[index]
+            out = last["outputs"][0]
+            assert (j["text"], j["ids"], j["logprobs"], j["finish_reason"]) == (
+                text, ids, out["logprobs"], out["finish_reason"])
+            assert j["prompt_logprobs"] == ([last["prompt_logprobs"]] if last["prompt_logprobs"] else [])
+    assert _joined(deltas[0])[0]["logprobs"] and _joined(deltas[2])[0]["prompt_logprobs"]
 
 
 def test_bad_requests_are_refused_before_they_are_sent(remote):

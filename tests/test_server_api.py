@@ -310,12 +310,15 @@ def test_openai_completions_stream_and_not(server, info):
     assert choice.finish_reason == "length" and full.usage.completion_tokens == 6 and full.usage.prompt_tokens == 12
     assert len(choice.logprobs.token_logprobs) == 6 and len(choice.token_ids) == 6
     chunks = list(client.completions.create(model=server.model, prompt=[prompt], max_tokens=6, temperature=0,
-                                            stream=True, stream_options={"include_usage": True},
+                                            stream=True, stream_options={"include_usage": True}, logprobs=1,
                                             extra_body={"ignore_eos": True, "return_token_ids": True}))
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
     token_chunks = [c for c in chunks if c.choices]
     assert "".join(c.choices[0].text for c in token_chunks) == choice.text
     assert [t for c in token_chunks for t in c.choices[0].token_ids] == choice.token_ids
+    streamed = [c.choices[0].logprobs for c in token_chunks if c.choices[0].logprobs is not None]
+    for field in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):  # each chunk has its tokens' own
+        assert [x for lp in streamed for x in getattr(lp, field)] == getattr(choice.logprobs, field), field
     assert token_chunks[-1].choices[0].finish_reason == "length"
 
     # The same greedy request over gRPC gives the same tokens.

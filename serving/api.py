@@ -58,9 +58,8 @@ class LLM:
             per_prompt = list(params)
         else:
             per_prompt = [params] * len(prompts)
-        # Only the finished output is returned, so it must be the whole one.
-        per_prompt = [dataclasses.replace(p, output_kind=RequestOutputKind.CUMULATIVE)
-                      if p is not None and p.output_kind is not RequestOutputKind.CUMULATIVE else p
+        # Only the finished output is returned: the core makes no other (each would copy the output so far).
+        per_prompt = [dataclasses.replace(p or SamplingParams(), output_kind=RequestOutputKind.FINAL_ONLY)
                       for p in per_prompt]
         prepared = []
         for i, (prompt, p) in enumerate(zip(prompts, per_prompt, strict=True)):

@@ -711,8 +711,8 @@ class EngineCore:
         delta = OutputDelta(req.request_id, delta_ids, delta_text, reason.value if reason else None,
                             req.stop_reason if reason is FinishReason.STOP else None, error, rejected, metrics,
                             None, None)
-        cumulative = req.sampling.output_kind is RequestOutputKind.CUMULATIVE
-        if client.compact or not cumulative:
+        kind = req.sampling.output_kind
+        if client.compact or kind is RequestOutputKind.DELTA:
             if client.logprobs is not None:
                 delta = delta._replace(logprobs=client.logprobs[client.sent_logprobs:])
                 client.sent_logprobs = len(client.logprobs)
@@ -723,7 +723,9 @@ class EngineCore:
             if client.sink is not None:
                 client.sink(delta)
             return
-        if cumulative:
+        if kind is RequestOutputKind.FINAL_ONLY and not finished:
+            return
+        if kind is not RequestOutputKind.DELTA:
             text = req.text.text if req.text is not None else ""
             out = request_output(delta, req.parent_id, req.index, client.prompt, req.prompt_ids, text, list(ids),
                                  list(client.logprobs) if client.logprobs is not None else None, prompt_logprobs)

@@ -198,8 +198,8 @@ def child_main(settings: Settings, conn: Any, log_level: str, log_format: str) -
 
 @dataclasses.dataclass
 class _Stream:
-    """A request's output on the client side of the pipe: made cumulative here (RequestOutputKind.CUMULATIVE),
-    or passed on as it came (DELTA: nothing kept, nothing copied)."""
+    """A request's output on the client side of the pipe: made cumulative here (RequestOutputKind.CUMULATIVE;
+    FINAL_ONLY: only once, when it finishes), or passed on as it came (DELTA: nothing kept, nothing copied)."""
 
     prepared: Prepared
     sink: Sink
@@ -208,9 +208,11 @@ class _Stream:
     logprobs: list[Logprob] | None = None
     prompt_logprobs: list[Logprob | None] | None = None
 
-    def apply(self, delta: OutputDelta) -> RequestOutput:
+    def apply(self, delta: OutputDelta) -> RequestOutput | None:
+        """The RequestOutput for the client, or None (FINAL_ONLY, unfinished)."""
         p = self.prepared
-        if p.params.output_kind is RequestOutputKind.DELTA:
+        kind = p.params.output_kind
+        if kind is RequestOutputKind.DELTA:
             return delta_output(delta, p.parent_id, p.index, p.text, p.prompt_ids)
         self.text += delta.delta_text
         self.token_ids.extend(delta.delta_token_ids)
@@ -220,6 +222,8 @@ class _Stream:
             self.logprobs.extend(delta.logprobs)
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = delta.prompt_logprobs
+        if kind is RequestOutputKind.FINAL_ONLY and delta.finish_reason is None:
+            return None
         return request_output(delta, p.parent_id, p.index, p.text, p.prompt_ids, self.text, list(self.token_ids),
                               list(self.logprobs) if self.logprobs is not None else None, self.prompt_logprobs)
 
@@ -378,6 +382,8 @@ class RemoteCore:
         if delta.finish_reason is not None:
             with self._lock:
                 table.pop(delta.request_id, None)
+        if out is None:
+            return
         try:
             stream.sink(out)
         except Exception:  # noqa: BLE001 - one client's failing sink must not stop the others' outputs

@@ -19,11 +19,13 @@ class RequestOutputKind(enum.Enum):
     CUMULATIVE: every output carries the whole text, token ids and logprobs so far (what `LLM.stream` users
     expect). DELTA: each carries only what its update added, in `outputs[0]` as in `delta_text` /
     `delta_token_ids`, and `prompt_logprobs` once; for streaming front ends, so that an update costs the same at
-    the 8,000th token as at the first (a cumulative update copies the whole output each time).
+    the 8,000th token as at the first (a cumulative update copies the whole output each time). FINAL_ONLY: one
+    output, the whole one, when the request finishes (`LLM.generate`).
     """
 
     CUMULATIVE = 0
     DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclasses.dataclass

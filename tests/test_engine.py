@@ -246,7 +246,8 @@ def test_abort_and_stop_token_and_logprobs(llm):
 
 def test_generate_returns_whole_outputs_and_stream_can_give_deltas(llm):
     """`LLM.generate` returns each request's whole output whatever `output_kind` asks (it returns only the last);
-    `LLM.stream` with RequestOutputKind.DELTA yields what each update added, which joins to that output."""
+    `LLM.stream` with RequestOutputKind.DELTA yields what each update added, which joins to that output, and
+    with FINAL_ONLY that output alone."""
     params = SamplingParams(temperature=0.0, max_tokens=20, logprobs=2, ignore_eos=True)
     want = llm.generate([[9, 8, 7]], params, use_tqdm=False)[0].outputs[0]
     delta = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
@@ -260,6 +261,9 @@ def test_generate_returns_whole_outputs_and_stream_can_give_deltas(llm):
     joined = [x for u in updates for x in u.outputs[0].token_ids]
     assert joined == want.token_ids and "".join(u.outputs[0].text for u in updates) == want.text
     assert [x for u in updates for x in u.outputs[0].logprobs] == want.logprobs
+    final = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
+    only = list(llm.stream([9, 8, 7], final))
+    assert len(only) == 1 and only[0].finished and only[0].outputs[0] == want
 
 
 def test_one_thread_steps_the_core(llm):

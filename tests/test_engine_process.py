@@ -120,6 +120,14 @@ def test_delta_outputs_join_to_the_cumulative_ones(remote):
                 text, ids, out["logprobs"], out["finish_reason"])
             assert j["prompt_logprobs"] == ([last["prompt_logprobs"]] if last["prompt_logprobs"] else [])
     assert _joined(deltas[0])[0]["logprobs"] and _joined(deltas[2])[0]["prompt_logprobs"]
+    finals = _collect(remote, [(p, dataclasses.replace(q, output_kind=RequestOutputKind.FINAL_ONLY))
+                               for p, q in CASES])
+    for c, f in zip(cumulative, finals, strict=True):  # FINAL_ONLY: each choice's last cumulative output alone
+        assert sorted(u["outputs"][0]["index"] for u in f) == sorted(_summary(c))
+        for u in f:
+            last = _summary(c)[u["outputs"][0]["index"]][2]
+            assert u["finished"] and u["outputs"][0] == last["outputs"][0]
+            assert u["prompt_logprobs"] == last["prompt_logprobs"]
 
 
 def test_bad_requests_are_refused_before_they_are_sent(remote):

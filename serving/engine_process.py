@@ -50,7 +50,7 @@ from serving.core import (
     load_tokenizer,
     request_output,
 )
-from serving.outputs import Logprob, RequestOutput, RequestOutputKind, SamplingParams
+from serving.outputs import CumulativeOutput, RequestOutput, RequestOutputKind, SamplingParams
 
 log = logging.getLogger("m3jax.engine_process")
 
@@ -203,10 +203,7 @@ class _Stream:
 
     prepared: Prepared
     sink: Sink
-    text: str = ""
-    token_ids: list[int] = dataclasses.field(default_factory=list)
-    logprobs: list[Logprob] | None = None
-    prompt_logprobs: list[Logprob | None] | None = None
+    whole: CumulativeOutput = dataclasses.field(default_factory=CumulativeOutput)
 
     def apply(self, delta: OutputDelta) -> RequestOutput | None:
         """The RequestOutput for the client, or None (FINAL_ONLY, unfinished)."""
@@ -214,18 +211,12 @@ class _Stream:
         kind = p.params.output_kind
         if kind is RequestOutputKind.DELTA:
             return delta_output(delta, p.parent_id, p.index, p.text, p.prompt_ids)
-        self.text += delta.delta_text
-        self.token_ids.extend(delta.delta_token_ids)
-        if delta.logprobs is not None:
-            if self.logprobs is None:
-                self.logprobs = []
-            self.logprobs.extend(delta.logprobs)
-        if delta.prompt_logprobs is not None:
-            self.prompt_logprobs = delta.prompt_logprobs
+        w = self.whole
+        w.add(delta.delta_text, delta.delta_token_ids, delta.logprobs, delta.prompt_logprobs)
         if kind is RequestOutputKind.FINAL_ONLY and delta.finish_reason is None:
             return None
-        return request_output(delta, p.parent_id, p.index, p.text, p.prompt_ids, self.text, list(self.token_ids),
-                              list(self.logprobs) if self.logprobs is not None else None, self.prompt_logprobs)
+        return request_output(delta, p.parent_id, p.index, p.text, p.prompt_ids, w.text, list(w.token_ids),
+                              list(w.logprobs) if w.logprobs is not None else None, w.prompt_logprobs)
 
 
 class EngineProcessExited(RuntimeError):

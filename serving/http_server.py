@@ -43,7 +43,7 @@ from aiohttp import web
 
 from serving.core import Prompt
 from serving.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from serving.outputs import MAX_N, Logprob, RequestOutput, SamplingParams
+from serving.outputs import MAX_N, CumulativeOutput, Logprob, RequestOutput, SamplingParams
 from serving.sampling import MAX_LOGIT_BIAS
 from serving.server import (
     MessageParser,
@@ -476,11 +476,7 @@ class _Choice:
         self.num_tokens = 0  # generated so far (usage)
         self.text_offset = 0
         self.started = False
-        # A whole (not streamed) answer: the choice's updates, which are deltas, gathered until it finishes.
-        self.pieces: list[str] = []
-        self.token_ids: list[int] = []
-        self.logprobs: list[Logprob] | None = None
-        self.prompt_logprobs: list[Logprob | None] | None = None
+        self.whole = CumulativeOutput()  # a whole (not streamed) answer: the choice's deltas, until it finishes
 
 
 class _Answer:
@@ -633,17 +629,11 @@ class _Answer:
         c = out.outputs[0]
         st = self.choice(c.index)
         st.num_tokens += len(c.token_ids)
-        st.pieces.append(c.text)
-        st.token_ids.extend(c.token_ids)
-        if c.logprobs is not None:
-            if st.logprobs is None:
-                st.logprobs = []
-            st.logprobs.extend(c.logprobs)
-        if out.prompt_logprobs is not None:
-            st.prompt_logprobs = out.prompt_logprobs
+        w = st.whole
+        w.add(c.text, c.token_ids, c.logprobs, out.prompt_logprobs)
         if out.finished:
-            whole = dataclasses.replace(c, text="".join(st.pieces), token_ids=st.token_ids, logprobs=st.logprobs)
-            self.finals[c.index] = dataclasses.replace(out, outputs=[whole], prompt_logprobs=st.prompt_logprobs)
+            whole = dataclasses.replace(c, text=w.text, token_ids=w.token_ids, logprobs=w.logprobs)
+            self.finals[c.index] = dataclasses.replace(out, outputs=[whole], prompt_logprobs=w.prompt_logprobs)
 
     def _usage(self) -> dict[str, int]:
         """Usage of a request: its prompt once, the completion tokens of every choice."""

@@ -114,6 +114,35 @@ class CompletionOutput:
 
 
 @dataclasses.dataclass
+class CumulativeOutput:
+    """One choice's output made whole from its deltas, for a client that takes deltas and needs the whole: the
+    text in pieces (joined when read), the ids, the logprobs, and the prompt logprobs once they came."""
+
+    pieces: list[str] = dataclasses.field(default_factory=list)
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[Logprob] | None = None
+    prompt_logprobs: list[Logprob | None] | None = None
+
+    def add(self, text: str, token_ids: list[int], logprobs: list[Logprob] | None,
+            prompt_logprobs: list[Logprob | None] | None) -> None:
+        if text:
+            self.pieces.append(text)
+        self.token_ids.extend(token_ids)
+        if logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.extend(logprobs)
+        if prompt_logprobs is not None:
+            self.prompt_logprobs = prompt_logprobs
+
+    @property
+    def text(self) -> str:
+        if len(self.pieces) > 1:
+            self.pieces[:] = ["".join(self.pieces)]
+        return self.pieces[0] if self.pieces else ""
+
+
+@dataclasses.dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None

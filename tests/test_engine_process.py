@@ -57,7 +57,8 @@ def _summary(updates):
         text, ids, _ = by_choice.get(c["index"], ("", [], None))
         text, ids = text + u["delta_text"], ids + u["delta_token_ids"]
         assert (c["text"], c["token_ids"]) == (text, ids)
-        by_choice[c["index"]] = (text, ids, u)
+        # The last update's own delta is left out: how many outputs a merge joined into it is timing.
+        by_choice[c["index"]] = (text, ids, {k: v for k, v in u.items() if not k.startswith("delta_")})
     return by_choice
 
 

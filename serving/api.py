@@ -58,12 +58,11 @@ class LLM:
             per_prompt = list(params)
         else:
             per_prompt = [params] * len(prompts)
-        # Only the finished output is returned: the core makes no other (each would copy the output so far).
-        per_prompt = [dataclasses.replace(p or SamplingParams(), output_kind=RequestOutputKind.FINAL_ONLY)
-                      for p in per_prompt]
         prepared = []
         for i, (prompt, p) in enumerate(zip(prompts, per_prompt, strict=True)):
             try:
+                # Only the finished output is returned: the core makes no other (each would copy the output so far).
+                p = dataclasses.replace(p or SamplingParams(), output_kind=RequestOutputKind.FINAL_ONLY)
                 prepared.append(self.core.prepare_group(prompt, p))
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from e

@@ -113,20 +113,57 @@ class CompletionOutput:
     stop_reason: str | int | None = None  # the stop string or stop token that ended it
 
 
+class GrowingText:
+    """Text that only grows, a piece per token: appending and reading the newest tail (`since`) never copy the
+    whole, as `+=` on a str would every token. The pieces are joined every MAX_PIECES (a str object per token
+    would cost more than the copy saved) and when the whole is read."""
+
+    MAX_PIECES = 64
+
+    def __init__(self) -> None:
+        self._pieces: list[str] = []
+        self.length = 0
+
+    def append(self, piece: str) -> None:
+        if piece:
+            self._pieces.append(piece)
+            self.length += len(piece)
+            if len(self._pieces) > self.MAX_PIECES:
+                self._pieces[:] = ["".join(self._pieces)]
+
+    @property
+    def text(self) -> str:
+        if len(self._pieces) > 1:
+            self._pieces[:] = ["".join(self._pieces)]
+        return self._pieces[0] if self._pieces else ""
+
+    def since(self, start: int) -> str:
+        """The text from character `start` on, in time proportional to its length."""
+        want = self.length - start
+        if want <= 0:
+            return ""
+        tail, got, i = [], 0, len(self._pieces)
+        while got < want:
+            i -= 1
+            tail.append(self._pieces[i])
+            got += len(self._pieces[i])
+        joined = "".join(reversed(tail))
+        return joined[len(joined) - want:]
+
+
 @dataclasses.dataclass
 class CumulativeOutput:
     """One choice's output made whole from its deltas, for a client that takes deltas and needs the whole: the
-    text in pieces (joined when read), the ids, the logprobs, and the prompt logprobs once they came."""
+    text, the ids, the logprobs, and the prompt logprobs once they came."""
 
-    pieces: list[str] = dataclasses.field(default_factory=list)
+    whole_text: GrowingText = dataclasses.field(default_factory=GrowingText)
     token_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[Logprob] | None = None
     prompt_logprobs: list[Logprob | None] | None = None
 
     def add(self, text: str, token_ids: list[int], logprobs: list[Logprob] | None,
             prompt_logprobs: list[Logprob | None] | None) -> None:
-        if text:
-            self.pieces.append(text)
+        self.whole_text.append(text)
         self.token_ids.extend(token_ids)
         if logprobs is not None:
             if self.logprobs is None:
@@ -137,9 +174,7 @@ class CumulativeOutput:
 
     @property
     def text(self) -> str:
-        if len(self.pieces) > 1:
-            self.pieces[:] = ["".join(self.pieces)]
-        return self.pieces[0] if self.pieces else ""
+        return self.whole_text.text
 
 
 @dataclasses.dataclass

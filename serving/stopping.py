@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from serving.outputs import GrowingText
 from serving.request import FinishReason, Request
 from serving.tokenizer import IncrementalDetokenizer, StopChecker
-
-_MAX_PIECES = 64  # text pieces a request keeps before joining them (a join copies the text: every 64 tokens)
 
 
 @dataclasses.dataclass
@@ -23,29 +22,19 @@ class TextState:
 
     detok: IncrementalDetokenizer | None
     stops: StopChecker
-    # The text emitted so far (stop strings excluded) in pieces: it only grows, and a stream reads its new tail
-    # (`since`) each step, which must not copy the whole text, as `+=` on a string would.
-    pieces: list[str] = dataclasses.field(default_factory=list)
-    length: int = 0
+    # The text emitted so far (stop strings excluded); a stream reads its new tail each step (`since`).
+    emitted: GrowingText = dataclasses.field(default_factory=GrowingText)
 
     @property
     def text(self) -> str:
-        if len(self.pieces) > 1:
-            self.pieces[:] = ["".join(self.pieces)]
-        return self.pieces[0] if self.pieces else ""
+        return self.emitted.text
+
+    @property
+    def length(self) -> int:
+        return self.emitted.length
 
     def since(self, start: int) -> str:
-        """The text from character `start` on, in time proportional to its length."""
-        want = self.length - start
-        if want <= 0:
-            return ""
-        tail, got, i = [], 0, len(self.pieces)
-        while got < want:
-            i -= 1
-            tail.append(self.pieces[i])
-            got += len(self.pieces[i])
-        joined = "".join(reversed(tail))
-        return joined[len(joined) - want:]
+        return self.emitted.since(start)
 
     def push(self, token_id: int | None, final: bool) -> bool:
         """Add a token's text (None: no token, only the end when `final`); True when a stop string has been
@@ -58,11 +47,7 @@ class TextState:
         new, stopped = self.stops.push(piece)
         if final and not stopped:
             new += self.stops.flush()
-        if new:
-            self.pieces.append(new)
-            self.length += len(new)
-            if len(self.pieces) > _MAX_PIECES:  # a str object per token would cost more than the copy saved
-                self.pieces[:] = ["".join(self.pieces)]
+        self.emitted.append(new)
         return stopped
 
 

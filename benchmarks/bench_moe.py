@@ -70,13 +70,22 @@ def candidates(T: int, fmt: str) -> list[MoeTiles]:
         # Narrower down tiles: twice the programs without the partials.
         out += [base.replace(dn=dataclasses.replace(base.dn, bn=64, split=d)) for d in (1, 2)]
         out.append(base.replace(gu=dataclasses.replace(base.gu, split=1), dn=dataclasses.replace(base.dn, split=1)))
+    def mosaic(gu: KernelTiles, dn: KernelTiles, group: int = base.group) -> MoeTiles:
+        return base.replace(bm=128, backend="mosaic", gu=gu, dn=dn, group=group, tail_heights=())
+
+    if reg != "decode" and fmt == "mxfp8" and base.backend == "triton":
+        # Mosaic GPU kernels for MXFP8 experts (moe/kernel_mgpu.py), first: each 128-deep K group widened once
+        # per compute warpgroup into a bf16 tile in shared memory, then one 128-deep wgmma. Shared memory per
+        # stage: 32 KB of x + 16.5 KB of words and scales per matrix and 128 columns, beside the widened tiles
+        # (32 KB per matrix, 128 columns and warpgroup) and 32 KB of epilogue buffers; what fits the H200's
+        # 227 KB (checked by tests/test_triton_lowering.py's Mosaic lowering): gate_up 64 columns at 2 stages,
+        # down 128 columns at 2 stages or 64 at 3-4.
+        out += [mosaic(k(64, 128, 4, 2), k(128, 128, 4, 2)), mosaic(k(64, 128, 4, 2), k(64, 128, 4, 3)),
+                mosaic(k(64, 128, 4, 2), k(64, 128, 4, 4)), mosaic(k(64, 128, 4, 2), k(128, 128, 4, 2), group=1)]
     if reg != "decode" and fmt == "dense" and base.backend == "triton":
         # Mosaic GPU kernels (moe/kernel_mgpu.py), first: gate_up two 128-column B tiles, down one 256- or
         # 128-column tile, 64-deep K steps (one 128-byte swizzle), 3-4 stages (4 x 48 KB + 32 KB of epilogue
         # buffers is the most shared memory that fits).
-        def mosaic(gu: KernelTiles, dn: KernelTiles, group: int = base.group) -> MoeTiles:
-            return base.replace(bm=128, backend="mosaic", gu=gu, dn=dn, group=group, tail_heights=())
-
         # T = 8192, first sweep (moe-h200-mosaic-1.json): 3 stages 10.71 ms kernel-busy, 4 stages 11.12 / 11.11
         # (256- / 128-column down), groups of 8 blocks 11.40, against the Triton table's 9.66 ms.
         out += [mosaic(k(128, 64, 4, 3), k(256, 64, 4, 3), group=g) for g in (2, 1, 4, 6)]

@@ -58,7 +58,7 @@ def gpu_mesh(device_kind: str = "NVIDIA H200", num_cores: int | None = None, num
     cores = num_cores if num_cores is not None else _NUM_CORES.get(device_kind, 132)
     device = AbstractDevice(device_kind=device_kind, num_cores=cores, platform="gpu")
     if num_devices == 1:
-        return AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=device)
+        return AbstractMesh((1,), ("x",), (AxisType.Auto,), abstract_device=device)
     return AbstractMesh((num_devices,), (axis,), (AxisType.Auto,), abstract_device=device)
 
 

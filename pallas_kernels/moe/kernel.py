@@ -437,8 +437,8 @@ def kernel_tiles(num_tokens: int, experts: dict, *, tiles: MoeTiles | None = Non
     d_model = gate[1].shape[-2] * layout.MX_GROUP if fmt != "dense" else gate[0].shape[-2]
     d_ff = gate[0].shape[-1]
     tiles = tiles or pick_tiles(num_tokens, fmt, interpret=interpret)
-    if tiles.backend == "mosaic" and fmt != "dense":
-        raise ValueError(f"the Mosaic GPU MoE kernels take bf16 experts, not {fmt}")
+    if tiles.backend == "mosaic" and fmt not in ("dense", "mxfp8"):
+        raise ValueError(f"the Mosaic GPU MoE kernels take bf16 or MXFP8 experts, not {fmt}")
     if tiles.mx_mode == "expand_asm" and layout.WIDE_SCALES in experts:
         tiles = tiles.replace(mx_mode="expand")  # scales the folded bf16 scale cannot hold (layout.py)
     if not interpret:  # a dot under 16 rows is below Triton's smallest

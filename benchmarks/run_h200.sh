@@ -10,6 +10,9 @@
 #             sparse prefill, dense single-tile) against their jnp references, 8k decode and prefill
 #   lincheck  the linear kernel's batch-invariant rows bitwise across M, split spread vs in-program, other tiles
 #   moeinv    the MoE kernels' rows bitwise across tile sets and token counts (what the invariant tiles rely on)
+#   moemx     MXFP8 prefill MoE: the Triton table and the Mosaic GPU candidates (each K group widened once into
+#             shared memory) at T = 2048 / 8192, checked against the reference at 2048, and bf16 at 8192 beside it
+#             (issue 28's "MXFP8 MoE at T = 8192 within 1.2x of the bf16 kernel")
 #   invnext   moeinv, then the engine's invariance under --batch-invariant against the default-mode record of
 #             BASELINE (default: rev 30e16d2's), in one call (~7 min)
 #   invcost   the bare decode step and a 1k prefill with and without --batch-invariant, kernel by kernel (issue 27)
@@ -71,6 +74,14 @@ for what in "$@"; do
     moeinv)
       timeout "${MOEINV_TIMEOUT:-150}" python3 benchmarks/check_moe_invariance.py \
         --out "$OUT/moe-invariance-${GPU_NAME:-h200}.json"
+      ;;
+    moemx)
+      timeout "${MOEMX_TIMEOUT:-330}" python3 benchmarks/bench_moe.py --formats mxfp8 --tokens 2048 8192 \
+        --ref-time-max-tokens 0 --kernels-only-tokens 0 --in-graph-max-tokens 0 --sweep 1 \
+        --sweep-cases 2048:mxfp8 8192:mxfp8 --sweep-first "${MOEMX_FIRST:-4}" \
+        --out "$OUT/moe-mosaic-mx-${GPU_NAME:-h200}.json"
+      timeout 150 python3 benchmarks/bench_moe.py --formats bf16 --tokens 8192 --ref-time-max-tokens 0 \
+        --kernels-only-tokens 0 --in-graph-max-tokens 0 --sweep 0 --out "$OUT/moe-mosaic-mx-bf16-${GPU_NAME:-h200}.json"
       ;;
     invnext)
       OPS=0 BISECT=0 BASELINE="${BASELINE:-benchmarks/results/invariance-default-h200-30e16d2.json}" \

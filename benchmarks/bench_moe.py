@@ -80,8 +80,11 @@ def candidates(T: int, fmt: str) -> list[MoeTiles]:
         # (32 KB per matrix, 128 columns and warpgroup) and 32 KB of epilogue buffers; what fits the H200's
         # 227 KB (checked by tests/test_triton_lowering.py's Mosaic lowering): gate_up 64 columns at 2 stages,
         # down 128 columns at 2 stages or 64 at 3-4.
-        out += [mosaic(k(64, 128, 4, 2), k(128, 128, 4, 2)), mosaic(k(64, 128, 4, 2), k(64, 128, 4, 3)),
-                mosaic(k(64, 128, 4, 2), k(64, 128, 4, 4)), mosaic(k(64, 128, 4, 2), k(128, 128, 4, 2), group=1)]
+        # "split" (each compute warpgroup widens half a step into a shared tile) first, then "each" (every
+        # warpgroup the whole step), whose best at T = 8192 on the H100 was group 1 (moe-h100-mosaic-mx-4a2c932).
+        out += [mosaic(k(64, 128, 4, 2), k(128, 128, 4, 2), group=1), mosaic(k(64, 128, 4, 2), k(128, 128, 4, 2)),
+                mosaic(k(64, 128, 4, 2), k(128, 128, 4, 2), group=1).replace(mx_widen="each"),
+                mosaic(k(64, 128, 4, 2), k(64, 128, 4, 3), group=1)]
     if reg != "decode" and fmt == "dense" and base.backend == "triton":
         # Mosaic GPU kernels (moe/kernel_mgpu.py), first: gate_up two 128-column B tiles, down one 256- or
         # 128-column tile, 64-deep K steps (one 128-byte swizzle), 3-4 stages (4 x 48 KB + 32 KB of epilogue
@@ -326,8 +329,10 @@ def main() -> None:
         def kt(t: KernelTiles) -> str:
             return f"{t.bn}/{t.bk}/{t.warps}/{t.stages}" + (f"/s{t.split}" if t.split > 1 else "")
 
+        backend = tiles.backend + ("/" + tiles.mx_widen if tiles.backend == "mosaic" else "")
+
         log(f"{op:12s} T={T:5d} {fmt:6s} bm={tiles.bm:3d}{_tails(tiles)} gu={kt(tiles.gu)} "
-            f"dn={kt(tiles.dn)} g={tiles.group} "
+            f"dn={kt(tiles.dn)} g={tiles.group} {backend} "
             f"{tiles.mx_mode:6s} r{tiles.mx_rows} {layout_method or '':7s} time={rec.get('time_s', 0) * 1e3:8.3f}ms "
             f"ratio={rec.get('ratio', 0):5.2f} "
             + (f"in-graph={rec['time_in_graph_s'] * 1e3:8.3f}ms ({rec['ratio_in_graph']:.2f}) "

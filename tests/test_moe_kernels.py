@@ -301,12 +301,14 @@ MOSAIC_MX_TILES = MOSAIC_TILES.replace(gu=KernelTiles(bn=64, bk=128, warps=4, st
                                       dn=KernelTiles(bn=128, bk=128, warps=4, stages=2))
 
 
-def test_mosaic_mxfp8_kernels_equal_triton_kernels() -> None:
+@pytest.mark.parametrize("widen", ["split", "each"])
+def test_mosaic_mxfp8_kernels_equal_triton_kernels(widen: str) -> None:
     """MXFP8 experts through the Mosaic GPU kernels (each 128-deep K group widened once into a bf16 tile in
     shared memory, then one wgmma), in jax's GPU interpreter, against the Triton kernels on the same words and
     scales: the widened weights are the same bf16 values, so only the summation order differs. The weights span
     scales (a block of tiny weights, one near e4m3's top) so that every scale byte of a word and subnormal e4m3
-    codes are exercised."""
+    codes are exercised. "split": the two compute warpgroups widen one half each into a shared, double-buffered
+    tile (a barrier a step); "each": each widens the whole step for itself."""
     params = moe_params(13, bias=bias_with(hot=[4], cold=[6]))
     w_gate = np.array(params["w_gate"])
     w_gate[1, 32:64, :] *= 1e-3  # K block 1 of expert 1: scale byte 1 small, codes near the subnormal range
@@ -315,28 +317,30 @@ def test_mosaic_mxfp8_kernels_equal_triton_kernels() -> None:
     p = prepare_moe(params, "mxfp8", keep_reference=False)
     p = {k: (v.astype(jnp.bfloat16) if k in ("router", "router_bias") else v) for k, v in p.items()}
     h = hidden(14, 200, jnp.bfloat16)
-    got = kernel.moe_pallas(h, p, interpret=True, tiles=MOSAIC_MX_TILES, **KW).astype(jnp.float32)
+    got = kernel.moe_pallas(h, p, interpret=True, tiles=MOSAIC_MX_TILES.replace(mx_widen=widen), **KW)
+    got = got.astype(jnp.float32)
     tri = kernel.moe_pallas(h, p, interpret=True, tiles=INTERPRET_TILES, **KW).astype(jnp.float32)
     want = reference.moe(h, layout.reference_params(p, jnp.bfloat16), **KW).astype(jnp.float32)
     assert float(jnp.linalg.norm(got - tri) / jnp.linalg.norm(tri)) < 2e-4  # summation order, bf16 act ulps
     assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < 2e-2
 
 
-def test_mosaic_mxfp8_widening_is_exact() -> None:
+@pytest.mark.parametrize("widen", ["split", "each"])
+def test_mosaic_mxfp8_widening_is_exact(widen: str) -> None:
     """The widening alone: every e4m3 code (subnormals included) under scale bytes 100..240 comes out as the
-    dequantised weight rounded to bf16."""
+    dequantised weight rounded to bf16. Two K groups, so that "split" runs its double buffer over two steps."""
     from pallas_kernels.moe import kernel_mgpu  # noqa: F401 - the module under test
 
     codes = np.array([c for c in range(256) if c & 0x7F != 0x7F], np.uint8)
     rng = np.random.default_rng(1)
-    q = rng.choice(codes, size=(1, 128, 128)).view(mx.FP8)  # [S, N, K]
-    s = rng.integers(100, 241, size=(1, 128, 4)).astype(np.uint8)  # 448 x 2^113: finite
+    q = rng.choice(codes, size=(1, 128, 256)).view(mx.FP8)  # [S, N, K]
+    s = rng.integers(100, 241, size=(1, 128, 8)).astype(np.uint8)  # 448 x 2^113: finite
     words, scales = layout.mxfp8_from_checkpoint(jnp.asarray(q), jnp.asarray(s))
     experts = {"down_q8": words, "down_s": scales, "gate_q8": words, "gate_s": scales, "up_q8": words,
                "up_s": scales}
-    eye = jnp.eye(128, dtype=jnp.bfloat16)  # x = I: the kernel's output is the widened weight matrix itself
-    out = kernel_mgpu.down(eye, jnp.zeros((1,), jnp.int32), jnp.full((1,), 128, jnp.int32), experts,
-                           KernelTiles(bn=128, bk=128, warps=4, stages=2), group=1, interpret=True)
+    eye = jnp.eye(256, dtype=jnp.bfloat16)  # x = I: the kernel's output is the widened weight matrix itself
+    out = kernel_mgpu.down(eye, jnp.zeros((2,), jnp.int32), jnp.full((2,), 128, jnp.int32), experts,
+                           KernelTiles(bn=128, bk=128, warps=4, stages=2), group=1, interpret=True, widen=widen)
     want = layout.dequantize_experts(experts, jnp.float32)["down"][0]
     np.testing.assert_array_equal(np.asarray(out.astype(jnp.float32)), np.asarray(want.astype(jnp.bfloat16),
                                                                                   np.float32))

@@ -509,9 +509,9 @@ def _grouped_gemms(h_TD: jax.Array, lay: RowLayout, experts: dict, tiles: MoeTil
     if tiles.backend == "mosaic":
         group = min(tiles.group, lay.slot_B.shape[0])
         act_MF = kernel_mgpu.gate_up(h_TD, lay.row_token_M, lay.slot_B, lay.rows_B, experts, tiles.gu, group=group,
-                                     alpha=alpha, limit=limit, interpret=interpret)
+                                     alpha=alpha, limit=limit, interpret=interpret, widen=tiles.mx_widen)
         y_MD = kernel_mgpu.down(act_MF, lay.slot_B, lay.rows_B, experts, tiles.dn, group=group,
-                                interpret=interpret)
+                                interpret=interpret, widen=tiles.mx_widen)
         return combine(y_MD, lay.dest_TJ, lay.w_TJ, valid_TJ)
     act_MF = gate_up(h_TD, lay.row_token_M, lay.slot_B, lay.rows_B, experts, tiles, alpha=alpha, limit=limit,
                      interpret=interpret)

@@ -58,8 +58,9 @@ def _swizzled(dtype: jnp.dtype, cols: int) -> tuple:
     return plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle)
 
 
-def _widen_mxfp8(dst_smem, words_smem, scales_smem, bn: int) -> None:
-    """One 128-deep K group of MXFP8 weights -> bf16 [128, bn] in `dst_smem` (K rows in natural order).
+def _widen_mxfp8(dst_smem, words_smem, scales_smem, bn: int, halves: tuple[int, ...] = (0, 1)) -> None:
+    """One 128-deep K group of MXFP8 weights -> bf16 [128, bn] in `dst_smem` (K rows in natural order); `halves`
+    picks which: 0 the low bytes (K rows 0..63), 1 the high bytes (rows 64..127).
 
     `words_smem` [64, bn] uint16: word r holds K rows r (low byte) and r + 64 (high byte); `scales_smem` [1, bn]
     uint32: byte j is the E8M0 scale of K rows 32j .. 32j + 31. Each byte is read as e4m3 and widened by the
@@ -76,7 +77,7 @@ def _widen_mxfp8(dst_smem, words_smem, scales_smem, bn: int) -> None:
         f32 = lax.bitcast_convert_type(e8m0 << 23, jnp.float32)
         return lax.broadcast_in_dim(f32, (2 * mx.BLOCK, bn), [1])
 
-    for half in range(2):  # low bytes: K rows 0..63 (scale bytes 0, 1); high bytes: rows 64..127 (bytes 2, 3)
+    for half in halves:  # low bytes: K rows 0..63 (scale bytes 0, 1); high bytes: rows 64..127 (bytes 2, 3)
         byte = (words & 0xFF if half == 0 else words >> 8).astype(jnp.uint8)
         e4m3 = lax.bitcast_convert_type(byte, jnp.float8_e4m3fn)
         scale = jnp.where(first_block, block_scale(2 * half), block_scale(2 * half + 1))
@@ -85,10 +86,13 @@ def _widen_mxfp8(dst_smem, words_smem, scales_smem, bn: int) -> None:
 
 def _grouped_gemm(a_MK: jax.Array, mats: tuple[tuple[jax.Array, ...], ...], slot_B: jax.Array, rows_B: jax.Array,
                   *, fmt: str, kt: KernelTiles, group: int, epilogue, out_cols: int, name: str,
-                  interpret: bool) -> jax.Array:
+                  interpret: bool, widen: str = "split") -> jax.Array:
     """Tiles: `kt.bn` columns per matrix (gate_up has two: gate and up), `kt.bk` K per pipeline step (128, one
     MX group, for MXFP8), `kt.stages` steps in flight (`kt.warps` does not apply: 3 warpgroups).
     `mats`: per matrix its arrays, `(w [S, K, N],)` for bf16 or `(words [S, K/2, N], scales [S, K/128, N])`.
+    `widen` (MXFP8): "each", every compute warpgroup widens the whole step into a tile of its own and runs its
+    wgmma at once; "split", warpgroup w widens half w (the low / high bytes) into one shared tile, double-buffered
+    by step, and both wait on a barrier before their wgmma (half the widening, one hand-off a step).
     out[M, N_out] per row block b (slot s = slot_B[b] >= 0), tile j:
     out[rows, j*out_cols:(j+1)*out_cols] = epilogue([a[rows] @ w[s][:, j*bn:(j+1)*bn] for w in mats])."""
     M, K = a_MK.shape
@@ -103,6 +107,12 @@ def _grouped_gemm(a_MK: jax.Array, mats: tuple[tuple[jax.Array, ...], ...], slot
     nb, nt = slot_B.shape[0], N // bn
     assert nb * BM == M and K % bk == 0 and N % bn == 0 and out_cols % EPI_COLS == 0, (M, K, N, kt)
     assert fmt == "dense" or bk == layout.MX_GROUP, f"MXFP8 steps are one {layout.MX_GROUP}-deep group, not {bk}"
+    assert widen in ("each", "split"), widen
+    if (K // bk) % 2:
+        # "split" alternates its two shared tiles by step within a tile: with an odd number of steps, a tile's
+        # first step would reuse the previous tile's last buffer, which the other warpgroup may still be reading
+        # (the barrier only says it has widened). Odd counts come from narrow TP shards of down (F / 8 = 384).
+        widen = "each"
     tr = _swizzled(dt, bk)
     w_tr = _swizzled(dt, bn)
     out_tr = _swizzled(dt, EPI_COLS)
@@ -132,11 +142,15 @@ def _grouped_gemm(a_MK: jax.Array, mats: tuple[tuple[jax.Array, ...], ...], slot
             allocs=pipeline_for(ignore, ignore).get_allocations(a_ref, *(r.at[0] for r in w_refs)),
             out_smem=plgpu.SMEM((2, 2, WG_ROWS, EPI_COLS), dt, transforms=out_tr),
         )
-        if fmt == "mxfp8":  # each compute warpgroup's widened weight tiles, one per matrix
+        if fmt == "mxfp8":
+            # "each": every compute warpgroup's widened tiles, one per matrix; "split": the shared tiles of two
+            # consecutive steps (a warpgroup writes step k's while the other may still read step k - 1's).
             scratch["wide_smem"] = plgpu.SMEM((2, len(mats), bk, bn), dt, transforms=w_tr)
+            if widen == "split":
+                scratch["widened"] = plgpu.Barrier(num_arrivals=2)  # both halves of a step are in shared memory
 
         @functools.partial(pl.run_scoped, **scratch, collective_axes="wg")
-        def _scope(allocs, out_smem, wide_smem=None):
+        def _scope(allocs, out_smem, wide_smem=None, widened=None):
             wg = lax.axis_index("wg")
 
             @plgpu.nd_loop((nb * nt,), collective_axes="sm")
@@ -148,21 +162,40 @@ def _grouped_gemm(a_MK: jax.Array, mats: tuple[tuple[jax.Array, ...], ...], slot
                 active = (wg == 0) | (n_rows > WG_ROWS)
                 row0 = b * BM + wg * WG_ROWS
 
-                def body(_, a_smem, *rest):
+                def mats_of(w_smems):
+                    return [w_smems[m * per_mat:(m + 1) * per_mat] for m in range(len(mats))]
+
+                def mma(accs, a_smem, b_smems):
+                    for acc, b_smem in zip(accs, b_smems, strict=True):
+                        plgpu.wgmma(acc, a_smem.at[pl.ds(wg * WG_ROWS, WG_ROWS)], b_smem)
+                    plgpu.wgmma_wait(0)
+
+                def body(indices, a_smem, *rest):
                     *w_smems, accs = rest
+                    if fmt == "mxfp8" and widen == "split":
+                        # Warpgroup 1 widens its half even when it has no rows: warpgroup 0's wgmma needs it.
+                        buf = lax.rem(indices[0], 2)
+                        for half in range(2):
+                            def widen_half(half: int = half) -> None:
+                                for m, refs in enumerate(mats_of(w_smems)):
+                                    _widen_mxfp8(wide_smem.at[buf, m], *refs, bn, halves=(half,))
+
+                            pl.when(wg == half)(widen_half)
+                        plgpu.commit_smem()  # this warpgroup's half, visible to the tensor cores
+                        plgpu.barrier_arrive(widened)
+                        plgpu.barrier_wait(widened)  # and the other's
+                        pl.when(active)(lambda: mma(accs, a_smem, [wide_smem.at[buf, m] for m in range(len(mats))]))
+                        return accs
 
                     @pl.when(active)
                     def _():
                         if fmt == "mxfp8":
-                            for m in range(len(mats)):
-                                _widen_mxfp8(wide_smem.at[wg, m], *w_smems[m * per_mat:(m + 1) * per_mat], bn)
+                            for m, refs in enumerate(mats_of(w_smems)):
+                                _widen_mxfp8(wide_smem.at[wg, m], *refs, bn)
                             plgpu.commit_smem()  # the widened tiles, written by this warpgroup, before wgmma reads
-                            b_smems = [wide_smem.at[wg, m] for m in range(len(mats))]
+                            mma(accs, a_smem, [wide_smem.at[wg, m] for m in range(len(mats))])
                         else:
-                            b_smems = w_smems
-                        for acc, b_smem in zip(accs, b_smems, strict=True):
-                            plgpu.wgmma(acc, a_smem.at[pl.ds(wg * WG_ROWS, WG_ROWS)], b_smem)
-                        plgpu.wgmma_wait(0)
+                            mma(accs, a_smem, w_smems)
 
                     return accs
 
@@ -212,7 +245,8 @@ def _mats(experts: dict, names: tuple[str, ...]) -> tuple[str, tuple[tuple[jax.A
 
 
 def gate_up(h_TD: jax.Array, row_token_M: jax.Array, slot_B: jax.Array, rows_B: jax.Array, experts: dict,
-            kt: KernelTiles, *, group: int, alpha: float, limit: float, interpret: bool = False) -> jax.Array:
+            kt: KernelTiles, *, group: int, alpha: float, limit: float, interpret: bool = False,
+            widen: str = "split") -> jax.Array:
     """act [M, F] as `kernel.gate_up` computes it (bf16 or MXFP8 experts, 128-row blocks)."""
     fmt, mats = _mats(experts, ("gate", "up"))
     x_MD = h_TD[row_token_M]  # TMA reads whole tiles: the block's rows gathered once, in sorted order
@@ -221,12 +255,12 @@ def gate_up(h_TD: jax.Array, row_token_M: jax.Array, slot_B: jax.Array, rows_B: 
         return swiglu_oai(vals[0], vals[1], alpha=alpha, limit=limit)
 
     return _grouped_gemm(x_MD, mats, slot_B, rows_B, fmt=fmt, kt=kt, group=group, epilogue=swiglu,
-                         out_cols=kt.bn, name=f"moe_gate_up_{fmt}_mgpu", interpret=interpret)
+                         out_cols=kt.bn, name=f"moe_gate_up_{fmt}_mgpu", interpret=interpret, widen=widen)
 
 
 def down(act_MF: jax.Array, slot_B: jax.Array, rows_B: jax.Array, experts: dict, kt: KernelTiles, *,
-         group: int, interpret: bool = False) -> jax.Array:
+         group: int, interpret: bool = False, widen: str = "split") -> jax.Array:
     """y [M, D] = act @ down[slot] as `kernel.down` computes it (bf16 or MXFP8 experts, no split K)."""
     fmt, mats = _mats(experts, ("down",))
     return _grouped_gemm(act_MF, mats, slot_B, rows_B, fmt=fmt, kt=kt, group=group, epilogue=lambda vals: vals[0],
-                         out_cols=kt.bn, name=f"moe_down_{fmt}_mgpu", interpret=interpret)
+                         out_cols=kt.bn, name=f"moe_down_{fmt}_mgpu", interpret=interpret, widen=widen)

@@ -76,12 +76,16 @@ class MoeTiles:
     # kernels (bf16 experts, bm = 128, no split K, no tail_heights: a block of <= 64 pairs runs one of its two
     # compute warpgroups; `warps` is unused, bn / bk / stages / group mean what they mean for Triton).
     backend: str = "triton"
+    # Mosaic GPU, MXFP8 experts: how the two compute warpgroups widen a step's weights (kernel_mgpu._grouped_gemm):
+    # "split", each half into one shared tile; "each", each the whole step into a tile of its own.
+    mx_widen: str = "split"
 
     def __post_init__(self) -> None:
         h = self.tail_heights
         assert list(h) == sorted(set(h)) and all(0 < x < self.bm and x & (x - 1) == 0 for x in h), h
         assert self.mx_rows in (32, 64), self.mx_rows
         assert self.backend in ("triton", "mosaic"), self.backend
+        assert self.mx_widen in ("split", "each"), self.mx_widen
         if self.backend == "mosaic":
             assert self.bm == 128 and self.gu.split == self.dn.split == 1 and not self.tail_heights, self
 

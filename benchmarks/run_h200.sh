@@ -12,7 +12,9 @@
 #   moeinv    the MoE kernels' rows bitwise across tile sets and token counts (what the invariant tiles rely on)
 #   moemx     MXFP8 prefill MoE: the Triton table and the Mosaic GPU candidates (each K group widened once into
 #             shared memory) at T = 2048 / 8192, checked against the reference at 2048, and bf16 at 8192 beside it
-#             (issue 28's "MXFP8 MoE at T = 8192 within 1.2x of the bf16 kernel")
+#             (issue 28's "MXFP8 MoE at T = 8192 within 1.2x of the bf16 kernel"); H200 only: the main table's
+#             8192-token reference check needs 48 GB beside the weights, which an 80 GB H100 lacks (there, time
+#             8192 with --main-max-tokens 0 and --sweep-cases, as docs/benchmarks.md's H100 rows were)
 #   invnext   moeinv, then the engine's invariance under --batch-invariant against the default-mode record of
 #             BASELINE (default: rev 30e16d2's), in one call (~7 min)
 #   invcost   the bare decode step and a 1k prefill with and without --batch-invariant, kernel by kernel (issue 27)

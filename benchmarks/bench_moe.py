@@ -221,6 +221,10 @@ def main() -> None:
     ap.add_argument("--sweep-check-max-tokens", type=int, default=2048,
                     help="check sweep candidates against the reference only up to this T")
     ap.add_argument("--sweep-first", type=int, default=1000, help="sweep only the first N candidates of each case")
+    ap.add_argument("--sweep-table", action="store_true",
+                    help="time each sweep case's table tiles first, as a sweep row (no reference check past "
+                         "--sweep-check-max-tokens): the table beside its candidates where the main table's "
+                         "8192-token reference does not fit, as on an 80 GB card")
     ap.add_argument("--gather-ab-tokens", type=int, nargs="*", default=[],
                     help="A/B the in-kernel x gather against an XLA row copy first at these T")
     ap.add_argument("--in-graph-max-tokens", type=int, default=128,
@@ -464,7 +468,8 @@ def main() -> None:
         order = [(T, f) for T, f in order if T in args.tokens and f in sweep_fmts]
         plan = []
         for T, name in order:
-            plan += [(T, name, c) for c in candidates(T, FORMATS[name])[:args.sweep_first]]
+            table = [pick_tiles(T, FORMATS[name])] if args.sweep_table else []
+            plan += [(T, name, c) for c in table + candidates(T, FORMATS[name])[:args.sweep_first]]
         for T, name, c in plan:
             if time.perf_counter() - T0 > args.deadline:
                 log("deadline: stopping the sweep")

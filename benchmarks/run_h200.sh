@@ -12,9 +12,9 @@
 #   moeinv    the MoE kernels' rows bitwise across tile sets and token counts (what the invariant tiles rely on)
 #   moemx     MXFP8 prefill MoE: the Triton table and the Mosaic GPU candidates (each K group widened once into
 #             shared memory) at T = 2048 / 8192, checked against the reference at 2048, and bf16 at 8192 beside it
-#             (issue 28's "MXFP8 MoE at T = 8192 within 1.2x of the bf16 kernel"); H200 only: the main table's
-#             8192-token reference check needs 48 GB beside the weights, which an 80 GB H100 lacks (there, time
-#             8192 with --main-max-tokens 0 and --sweep-cases, as docs/benchmarks.md's H100 rows were)
+#             (issue 28's "MXFP8 MoE at T = 8192 within 1.2x of the bf16 kernel"); the table's tiles are timed as
+#             sweep rows (--sweep-table), so it fits an 80 GB H100, where the main table's 8192-token reference
+#             check (48 GB beside the weights) does not
 #   invnext   moeinv, then the engine's invariance under --batch-invariant against the default-mode record of
 #             BASELINE (default: rev 30e16d2's), in one call (~7 min)
 #   invcost   the bare decode step and a 1k prefill with and without --batch-invariant, kernel by kernel (issue 27)
@@ -78,12 +78,10 @@ for what in "$@"; do
         --out "$OUT/moe-invariance-${GPU_NAME:-h200}.json"
       ;;
     moemx)
-      timeout "${MOEMX_TIMEOUT:-330}" python3 benchmarks/bench_moe.py --formats mxfp8 --tokens 2048 8192 \
-        --ref-time-max-tokens 0 --kernels-only-tokens 0 --in-graph-max-tokens 0 --sweep 1 \
-        --sweep-cases 2048:mxfp8 8192:mxfp8 --sweep-first "${MOEMX_FIRST:-4}" \
+      timeout "${MOEMX_TIMEOUT:-330}" python3 benchmarks/bench_moe.py --formats mxfp8 bf16 --tokens 2048 8192 \
+        --main-max-tokens 0 --ref-time-max-tokens 0 --kernels-only-tokens 0 --in-graph-max-tokens 0 --sweep 1 \
+        --sweep-table --sweep-cases 2048:mxfp8 8192:mxfp8 8192:bf16 --sweep-first "${MOEMX_FIRST:-4}" \
         --out "$OUT/moe-mosaic-mx-${GPU_NAME:-h200}.json"
-      timeout 150 python3 benchmarks/bench_moe.py --formats bf16 --tokens 8192 --ref-time-max-tokens 0 \
-        --kernels-only-tokens 0 --in-graph-max-tokens 0 --sweep 0 --out "$OUT/moe-mosaic-mx-bf16-${GPU_NAME:-h200}.json"
       ;;
     invnext)
       OPS=0 BISECT=0 BASELINE="${BASELINE:-benchmarks/results/invariance-default-h200-30e16d2.json}" \

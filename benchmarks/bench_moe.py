@@ -82,9 +82,9 @@ def candidates(T: int, fmt: str) -> list[MoeTiles]:
         # down 128 columns at 2 stages or 64 at 3-4.
         # "split" (each compute warpgroup widens half a step into a shared tile) first, then "each" (every
         # warpgroup the whole step), whose best at T = 8192 on the H100 was group 1 (moe-h100-mosaic-mx-4a2c932).
-        out += [mosaic(k(64, 128, 4, 2), k(128, 128, 4, 2), group=1), mosaic(k(64, 128, 4, 2), k(128, 128, 4, 2)),
-                mosaic(k(64, 128, 4, 2), k(128, 128, 4, 2), group=1).replace(mx_widen="each"),
-                mosaic(k(64, 128, 4, 2), k(64, 128, 4, 3), group=1)]
+        split = [mosaic(k(64, 128, 4, 2), k(128, 128, 4, 2), group=g).replace(mx_widen="split") for g in (1, 16)]
+        out += [*split, mosaic(k(64, 128, 4, 2), k(128, 128, 4, 2), group=1),
+                mosaic(k(64, 128, 4, 2), k(64, 128, 4, 3), group=1).replace(mx_widen="split")]
     if reg != "decode" and fmt == "dense" and base.backend == "triton":
         # Mosaic GPU kernels (moe/kernel_mgpu.py), first: gate_up two 128-column B tiles, down one 256- or
         # 128-column tile, 64-deep K steps (one 128-byte swizzle), 3-4 stages (4 x 48 KB + 32 KB of epilogue

@@ -177,7 +177,7 @@ def test_mosaic_moe_lowers(fmt, T):
     bk = 128 if fmt == "mxfp8" else 64
     tiles = MoeTiles("prefill", bm=128, gu=KernelTiles(bn=64 if fmt == "mxfp8" else 128, bk=bk, warps=4, stages=2),
                      dn=KernelTiles(bn=128, bk=bk, warps=4, stages=2), group=2, backend="mosaic",
-                     mx_widen=widen or "split")
+                     mx_widen=widen or "each")
     fn = functools.partial(kernel.moe_pallas, top_k=TOP_K, routed_scaling=CFG.routed_scaling_factor,
                            alpha=CFG.swiglu_alpha, limit=CFG.swiglu_limit, tiles=tiles)
     text = lower_for_gpu(fn, _sds((T, D), jnp.bfloat16), _moe_params(fmt))

@@ -86,7 +86,7 @@ def _widen_mxfp8(dst_smem, words_smem, scales_smem, bn: int, halves: tuple[int, 
 
 def _grouped_gemm(a_MK: jax.Array, mats: tuple[tuple[jax.Array, ...], ...], slot_B: jax.Array, rows_B: jax.Array,
                   *, fmt: str, kt: KernelTiles, group: int, epilogue, out_cols: int, name: str,
-                  interpret: bool, widen: str = "split") -> jax.Array:
+                  interpret: bool, widen: str = "each") -> jax.Array:
     """Tiles: `kt.bn` columns per matrix (gate_up has two: gate and up), `kt.bk` K per pipeline step (128, one
     MX group, for MXFP8), `kt.stages` steps in flight (`kt.warps` does not apply: 3 warpgroups).
     `mats`: per matrix its arrays, `(w [S, K, N],)` for bf16 or `(words [S, K/2, N], scales [S, K/128, N])`.
@@ -246,7 +246,7 @@ def _mats(experts: dict, names: tuple[str, ...]) -> tuple[str, tuple[tuple[jax.A
 
 def gate_up(h_TD: jax.Array, row_token_M: jax.Array, slot_B: jax.Array, rows_B: jax.Array, experts: dict,
             kt: KernelTiles, *, group: int, alpha: float, limit: float, interpret: bool = False,
-            widen: str = "split") -> jax.Array:
+            widen: str = "each") -> jax.Array:
     """act [M, F] as `kernel.gate_up` computes it (bf16 or MXFP8 experts, 128-row blocks)."""
     fmt, mats = _mats(experts, ("gate", "up"))
     x_MD = h_TD[row_token_M]  # TMA reads whole tiles: the block's rows gathered once, in sorted order
@@ -259,7 +259,7 @@ def gate_up(h_TD: jax.Array, row_token_M: jax.Array, slot_B: jax.Array, rows_B: 
 
 
 def down(act_MF: jax.Array, slot_B: jax.Array, rows_B: jax.Array, experts: dict, kt: KernelTiles, *,
-         group: int, interpret: bool = False, widen: str = "split") -> jax.Array:
+         group: int, interpret: bool = False, widen: str = "each") -> jax.Array:
     """y [M, D] = act @ down[slot] as `kernel.down` computes it (bf16 or MXFP8 experts, no split K)."""
     fmt, mats = _mats(experts, ("down",))
     return _grouped_gemm(act_MF, mats, slot_B, rows_B, fmt=fmt, kt=kt, group=group, epilogue=lambda vals: vals[0],

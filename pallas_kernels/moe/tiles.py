@@ -77,8 +77,9 @@ class MoeTiles:
     # compute warpgroups; `warps` is unused, bn / bk / stages / group mean what they mean for Triton).
     backend: str = "triton"
     # Mosaic GPU, MXFP8 experts: how the two compute warpgroups widen a step's weights (kernel_mgpu._grouped_gemm):
-    # "split", each half into one shared tile; "each", each the whole step into a tile of its own.
-    mx_widen: str = "split"
+    # "each", each the whole step into a tile of its own (checked on the GPU); "split", each half into one shared
+    # tile (interpreter-checked only, so not the default until a GPU run checks and times it).
+    mx_widen: str = "each"
 
     def __post_init__(self) -> None:
         h = self.tail_heights

@@ -301,14 +301,15 @@ MOSAIC_MX_TILES = MOSAIC_TILES.replace(gu=KernelTiles(bn=64, bk=128, warps=4, st
                                       dn=KernelTiles(bn=128, bk=128, warps=4, stages=2))
 
 
-@pytest.mark.parametrize("widen", ["split", "each"])
+@pytest.mark.parametrize("widen", ["split", "each", "swap"])
 def test_mosaic_mxfp8_kernels_equal_triton_kernels(widen: str) -> None:
     """MXFP8 experts through the Mosaic GPU kernels (each 128-deep K group widened once into a bf16 tile in
     shared memory, then one wgmma), in jax's GPU interpreter, against the Triton kernels on the same words and
     scales: the widened weights are the same bf16 values, so only the summation order differs. The weights span
     scales (a block of tiny weights, one near e4m3's top) so that every scale byte of a word and subnormal e4m3
     codes are exercised. "split": the two compute warpgroups widen one half each into a shared, double-buffered
-    tile (a barrier a step); "each": each widens the whole step for itself."""
+    tile (a barrier a step); "each": each widens the whole step for itself; "swap": wgmma's operands swapped,
+    each warpgroup widening its own 64 columns into registers (in the interpreter, through shared memory)."""
     params = moe_params(13, bias=bias_with(hot=[4], cold=[6]))
     w_gate = np.array(params["w_gate"])
     w_gate[1, 32:64, :] *= 1e-3  # K block 1 of expert 1: scale byte 1 small, codes near the subnormal range
@@ -317,7 +318,10 @@ def test_mosaic_mxfp8_kernels_equal_triton_kernels(widen: str) -> None:
     p = prepare_moe(params, "mxfp8", keep_reference=False)
     p = {k: (v.astype(jnp.bfloat16) if k in ("router", "router_bias") else v) for k, v in p.items()}
     h = hidden(14, 200, jnp.bfloat16)
-    got = kernel.moe_pallas(h, p, interpret=True, tiles=MOSAIC_MX_TILES.replace(mx_widen=widen), **KW)
+    tiles = MOSAIC_MX_TILES.replace(mx_widen=widen)
+    if widen == "swap":
+        tiles = tiles.replace(gu=KernelTiles(bn=128, bk=128, warps=4, stages=2))
+    got = kernel.moe_pallas(h, p, interpret=True, tiles=tiles, **KW)
     got = got.astype(jnp.float32)
     tri = kernel.moe_pallas(h, p, interpret=True, tiles=INTERPRET_TILES, **KW).astype(jnp.float32)
     want = reference.moe(h, layout.reference_params(p, jnp.bfloat16), **KW).astype(jnp.float32)
@@ -325,7 +329,7 @@ def test_mosaic_mxfp8_kernels_equal_triton_kernels(widen: str) -> None:
     assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < 2e-2
 
 
-@pytest.mark.parametrize("widen", ["split", "each"])
+@pytest.mark.parametrize("widen", ["split", "each", "swap"])
 def test_mosaic_mxfp8_widening_is_exact(widen: str) -> None:
     """The widening alone: every e4m3 code (subnormals included) under scale bytes 100..240 comes out as the
     dequantised weight rounded to bf16. Two K groups, so that "split" runs its double buffer over two steps."""
@@ -339,8 +343,13 @@ def test_mosaic_mxfp8_widening_is_exact(widen: str) -> None:
     experts = {"down_q8": words, "down_s": scales, "gate_q8": words, "gate_s": scales, "up_q8": words,
                "up_s": scales}
     eye = jnp.eye(256, dtype=jnp.bfloat16)  # x = I: the kernel's output is the widened weight matrix itself
-    out = kernel_mgpu.down(eye, jnp.zeros((2,), jnp.int32), jnp.full((2,), 128, jnp.int32), experts,
-                           KernelTiles(bn=128, bk=128, warps=4, stages=2), group=1, interpret=True, widen=widen)
+    kt = KernelTiles(bn=128, bk=128, warps=4, stages=2)
+    if widen == "swap":  # I^T = I in, W^T out
+        out = kernel_mgpu.down_swapped(eye, jnp.zeros((2,), jnp.int32), jnp.full((2,), 128, jnp.int32), experts,
+                                       kt, group=1, interpret=True).T
+    else:
+        out = kernel_mgpu.down(eye, jnp.zeros((2,), jnp.int32), jnp.full((2,), 128, jnp.int32), experts, kt,
+                               group=1, interpret=True, widen=widen)
     want = layout.dequantize_experts(experts, jnp.float32)["down"][0]
     np.testing.assert_array_equal(np.asarray(out.astype(jnp.float32)), np.asarray(want.astype(jnp.bfloat16),
                                                                                   np.float32))

@@ -58,30 +58,54 @@ def _swizzled(dtype: jnp.dtype, cols: int) -> tuple:
     return plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle)
 
 
+def _block_scale(scale_words: jax.Array, j: int, shape: tuple[int, int], dim: int) -> jax.Array:
+    """E8M0 byte j of each scale word -> 2^(s - 127) as f32 (byte 0 -> 0), broadcast to `shape` along `dim`'s
+    other axis (`dim`: the axis the words run along)."""
+    e8m0 = (scale_words >> (8 * j)) & 0xFF
+    return lax.broadcast_in_dim(lax.bitcast_convert_type(e8m0 << 23, jnp.float32), shape, [dim])
+
+
+def _dequantised(words: jax.Array, half: int, scale_first: jax.Array, scale_second: jax.Array,
+                 first_block: jax.Array) -> jax.Array:
+    """bf16 weights of one half of a 128-deep K group (0: the words' low bytes, K rows 0..63; 1: the high bytes,
+    rows 64..127): each byte read as e4m3 and widened by the hardware conversion (to f16, exact, subnormals
+    included), times its 32-row block's scale 2^(s - 127) in f32 (exact; `first_block` picks `scale_first` for
+    the half's first 32 K rows), then rounded to bf16: the dequantised weight, as `layout.dequantize_experts`
+    gives it, wherever bf16 holds it. (The Triton kernels' bit moves give bf16 values 2^-120 small, subnormal for
+    e4m3's own subnormals, which a multiply that flushes subnormals would zero.)"""
+    byte = (words & 0xFF if half == 0 else words >> 8).astype(jnp.uint8)
+    e4m3 = lax.bitcast_convert_type(byte, jnp.float8_e4m3fn)
+    return (e4m3.astype(jnp.float32) * jnp.where(first_block, scale_first, scale_second)).astype(jnp.bfloat16)
+
+
 def _widen_mxfp8(dst_smem, words_smem, scales_smem, bn: int, halves: tuple[int, ...] = (0, 1)) -> None:
     """One 128-deep K group of MXFP8 weights -> bf16 [128, bn] in `dst_smem` (K rows in natural order); `halves`
     picks which: 0 the low bytes (K rows 0..63), 1 the high bytes (rows 64..127).
 
     `words_smem` [64, bn] uint16: word r holds K rows r (low byte) and r + 64 (high byte); `scales_smem` [1, bn]
-    uint32: byte j is the E8M0 scale of K rows 32j .. 32j + 31. Each byte is read as e4m3 and widened by the
-    hardware conversion (to f16, exact, subnormals included), times the block scale 2^(s - 127) in f32 (exact),
-    then rounded to bf16: the dequantised weight, as `layout.dequantize_experts` gives it, wherever bf16 holds it.
-    (The Triton kernels' bit moves give bf16 values 2^-120 small, subnormal for e4m3's own subnormals, which a
-    multiply that flushes subnormals would zero.)"""
+    uint32: byte j is the E8M0 scale of K rows 32j .. 32j + 31."""
     words = plgpu.load(words_smem, layout=plgpu.Layout.WGMMA)
     scale_words = plgpu.load(scales_smem.at[0], layout=plgpu.Layout.WGMMA.reduce(0))
-    first_block = plgpu.broadcasted_iota(jnp.int32, (2 * mx.BLOCK, bn), 0, layout=plgpu.Layout.WGMMA) < mx.BLOCK
+    shape = (2 * mx.BLOCK, bn)
+    first_block = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA) < mx.BLOCK
+    for half in halves:
+        dst_smem[pl.ds(half * 64, 64), :] = _dequantised(
+            words, half, _block_scale(scale_words, 2 * half, shape, 1),
+            _block_scale(scale_words, 2 * half + 1, shape, 1), first_block)
 
-    def block_scale(j: int) -> jax.Array:  # E8M0 byte j of each column -> 2^(s - 127) as f32 (byte 0 -> 0)
-        e8m0 = (scale_words >> (8 * j)) & 0xFF
-        f32 = lax.bitcast_convert_type(e8m0 << 23, jnp.float32)
-        return lax.broadcast_in_dim(f32, (2 * mx.BLOCK, bn), [1])
 
-    for half in halves:  # low bytes: K rows 0..63 (scale bytes 0, 1); high bytes: rows 64..127 (bytes 2, 3)
-        byte = (words & 0xFF if half == 0 else words >> 8).astype(jnp.uint8)
-        e4m3 = lax.bitcast_convert_type(byte, jnp.float8_e4m3fn)
-        scale = jnp.where(first_block, block_scale(2 * half), block_scale(2 * half + 1))
-        dst_smem[pl.ds(half * 64, 64), :] = (e4m3.astype(jnp.float32) * scale).astype(jnp.bfloat16)
+def _widen_mxfp8_transposed(words_smem, scales_smem) -> tuple[jax.Array, jax.Array]:
+    """The swapped kernels' A operands: W^T of one 128-deep K group for the 64 columns `words_smem` [64, 64]
+    holds, as two bf16 [64 columns, 64 K] register arrays (K rows 0..63 from the words' low bytes, 64..127 from
+    the high bytes), read transposed from shared memory and never written back. `scales_smem` [1, 64]: the
+    columns' scale words."""
+    words = plgpu.load(words_smem.transpose((1, 0)), layout=plgpu.Layout.WGMMA)  # [column, word row]
+    scale_words = plgpu.load(scales_smem.at[0], layout=plgpu.Layout.WGMMA.reduce(1))
+    shape = (WG_ROWS, 2 * mx.BLOCK)
+    first_block = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA) < mx.BLOCK
+    return tuple(_dequantised(words, half, _block_scale(scale_words, 2 * half, shape, 0),
+                              _block_scale(scale_words, 2 * half + 1, shape, 0), first_block)
+                 for half in range(2))
 
 
 def _grouped_gemm(a_MK: jax.Array, mats: tuple[tuple[jax.Array, ...], ...], slot_B: jax.Array, rows_B: jax.Array,
@@ -240,6 +264,128 @@ def _grouped_gemm(a_MK: jax.Array, mats: tuple[tuple[jax.Array, ...], ...], slot
     )(*args)
 
 
+def _grouped_gemm_swapped(b_src: jax.Array, mats: tuple[tuple[jax.Array, jax.Array], ...], slot_B: jax.Array,
+                          rows_B: jax.Array, *, rows_major: bool, kt: KernelTiles, group: int, epilogue,
+                          name: str, interpret: bool) -> jax.Array:
+    """MXFP8 experts with wgmma's operands swapped: outT [N, M] = (a @ w)^T, computed as w^T @ a^T, so that the
+    weights are the A operand and come from registers, widened there (`_widen_mxfp8_transposed`) and never
+    written back to shared memory; a compute warpgroup widens only its own 64 columns (no warpgroup widens
+    another's, and no barrier between them), and the rows of a block are wgmma's N (128, or 64 for a block of
+    at most 64 pairs). `b_src`: the activations, [M, K] (`rows_major`, gate_up's gathered x) or [K, M] (down's
+    input, gate_up's transposed output). Tiles: `kt.bn` (128: 64 per compute warpgroup) columns per matrix,
+    128-deep K steps (one MX group), `kt.stages` steps in flight.
+    outT[j*bn:(j+1)*bn, rows of block b] = epilogue([(a[rows] @ w[s][:, j*bn:(j+1)*bn])^T for w in mats])."""
+    K = mats[0][0].shape[-2] * 2
+    N = mats[0][0].shape[-1]
+    M = b_src.shape[0] if rows_major else b_src.shape[1]
+    dt = jnp.dtype(jnp.bfloat16)
+    bn, bk = kt.bn, kt.bk
+    nb, nt = slot_B.shape[0], N // bn
+    assert b_src.dtype == dt and bk == layout.MX_GROUP and bn == 2 * WG_ROWS, (b_src.dtype, kt)
+    assert nb * BM == M and K % bk == 0 and N % bn == 0 and (b_src.shape[1] if rows_major else b_src.shape[0]) == K
+    if rows_major:  # [BM rows, bk] tiles; a half step's B operand is a 64-column slice, transposed
+        b_spec = plgpu.BlockSpec((BM, bk), lambda k: (0, k), transforms=_swizzled(dt, bk), memory_space=plgpu.SMEM)
+    else:  # [bk, BM rows] tiles; a half step's B operand is 64 of their rows
+        b_spec = plgpu.BlockSpec((bk, BM), lambda k: (k, 0), transforms=_swizzled(dt, BM), memory_space=plgpu.SMEM)
+    w_specs = [plgpu.BlockSpec((bk // 2, bn), lambda k: (k, 0), transforms=_swizzled(jnp.uint16, WG_ROWS),
+                               memory_space=plgpu.SMEM),
+               plgpu.BlockSpec((1, bn), lambda k: (k, 0), memory_space=plgpu.SMEM)]
+
+    def b_half(b_smem, half: int, cols: int):
+        if rows_major:
+            return b_smem.at[pl.ds(0, cols), pl.ds(half * 64, 64)].transpose((1, 0))
+        return b_smem.at[pl.ds(half * 64, 64), pl.ds(0, cols)]
+
+    def kernel(slot_ref, rows_ref, b_ref, *refs):
+        w_refs, o_ref = refs[:-1], refs[-1]
+
+        def pipeline_for(body, context):
+            return plgpu.emit_pipeline_warp_specialized(
+                body, grid=(K // bk,), memory_registers=40, in_specs=[b_spec] + w_specs * len(mats),
+                wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=kt.stages, compute_context=context)
+
+        def ignore(*_, **__):
+            return None
+
+        scratch = dict(allocs=pipeline_for(ignore, ignore).get_allocations(b_ref, *(r.at[0] for r in w_refs)),
+                       out_smem=plgpu.SMEM((2, 2, WG_ROWS, EPI_COLS), dt, transforms=_swizzled(dt, EPI_COLS)))
+        if interpret:
+            # jax's GPU interpreter runs wgmma from shared memory only: there the A operands go through these.
+            scratch["a_smem"] = plgpu.SMEM((2, len(mats), 2, WG_ROWS, 64), dt, transforms=_swizzled(dt, 64))
+
+        @functools.partial(pl.run_scoped, **scratch, collective_axes="wg")
+        def _scope(allocs, out_smem, a_smem=None):
+            wg = lax.axis_index("wg")
+
+            @plgpu.nd_loop((nb * nt,), collective_axes="sm")
+            def _tile(info: plgpu.NDLoopInfo) -> None:
+                (u,) = info.index
+                b, j = block_and_tile(u, nb, nt, group)
+                slot, full = slot_ref[b], rows_ref[b] > WG_ROWS
+                cols = pl.ds(wg * WG_ROWS, WG_ROWS)  # this warpgroup's columns of the tile
+
+                def body(_, b_smem, *rest):
+                    *w_smems, accs = rest
+                    a_regs = [_widen_mxfp8_transposed(w_smems[2 * m].at[:, cols], w_smems[2 * m + 1].at[:, cols])
+                              for m in range(len(mats))]
+                    if interpret:
+                        for m, halves in enumerate(a_regs):
+                            for h, a in enumerate(halves):
+                                a_smem[wg, m, h] = a
+                        plgpu.commit_smem()
+                        a_regs = [[a_smem.at[wg, m, h] for h in range(2)] for m in range(len(mats))]
+
+                    def mma(rows: int) -> None:
+                        for acc, halves in zip(accs, a_regs, strict=True):
+                            for h, a in enumerate(halves):
+                                plgpu.wgmma(acc.at[:, pl.ds(0, rows)] if rows < BM else acc, a,
+                                            b_half(b_smem, h, rows))
+                        plgpu.wgmma_wait(0)
+
+                    pl.when(full)(lambda: mma(BM))
+                    pl.when(~full)(lambda: mma(WG_ROWS))  # a block of <= 64 pairs: wgmma N = 64
+                    return accs
+
+                def context(run):
+                    @functools.partial(pl.run_scoped, accs=tuple(plgpu.ACC((WG_ROWS, BM), jnp.float32)
+                                                                 for _ in mats))
+                    def _accs(accs):
+                        run(accs)
+                        y = epilogue([acc[...] for acc in accs]).astype(dt)  # [64 columns, BM rows]
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                        def store(c: int) -> None:
+                            buf = out_smem.at[wg, c % 2]
+                            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                            buf[...] = y[:, c * EPI_COLS:(c + 1) * EPI_COLS]
+                            plgpu.commit_smem()
+                            plgpu.copy_smem_to_gmem(buf, o_ref.at[pl.ds(j * bn + wg * WG_ROWS, WG_ROWS),
+                                                                  pl.ds(b * BM + c * EPI_COLS, EPI_COLS)])
+
+                        store(0)
+                        for c in range(1, BM // EPI_COLS):  # the rows past 64 hold pairs only in a full block
+                            pl.when(full)(functools.partial(store, c))
+
+                    return None
+
+                @pl.when(slot >= 0)
+                def _():
+                    b_tile = b_ref.at[pl.ds(b * BM, BM), :] if rows_major else b_ref.at[:, pl.ds(b * BM, BM)]
+                    pipeline_for(body, context)(
+                        b_tile, *(r.at[slot, :, pl.ds(j * bn, bn)] for r in w_refs), allocations=allocs)
+
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    kernel.__name__ = kernel.__qualname__ = name
+    return plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct((N, M), dt),
+        grid=(_num_sms(interpret),), grid_names=("sm",),
+        num_threads=3, thread_name="wg",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )(slot_B, rows_B, b_src, *(a for m in mats for a in m))
+
+
 def _mats(experts: dict, names: tuple[str, ...]) -> tuple[str, tuple[tuple[jax.Array, ...], ...]]:
     return layout.weight_format(experts), tuple(layout.weight_arrays(experts, n) for n in names)
 
@@ -264,3 +410,28 @@ def down(act_MF: jax.Array, slot_B: jax.Array, rows_B: jax.Array, experts: dict,
     fmt, mats = _mats(experts, ("down",))
     return _grouped_gemm(act_MF, mats, slot_B, rows_B, fmt=fmt, kt=kt, group=group, epilogue=lambda vals: vals[0],
                          out_cols=kt.bn, name=f"moe_down_{fmt}_mgpu", interpret=interpret, widen=widen)
+
+
+def gate_up_swapped(h_TD: jax.Array, row_token_M: jax.Array, slot_B: jax.Array, rows_B: jax.Array, experts: dict,
+                    kt: KernelTiles, *, group: int, alpha: float, limit: float, interpret: bool = False) -> jax.Array:
+    """actT [F, M]: `gate_up`'s act, transposed, through the swapped kernel (MXFP8 experts)."""
+    fmt, mats = _mats(experts, ("gate", "up"))
+    if fmt != "mxfp8":
+        raise ValueError(f"the swapped Mosaic GPU MoE kernels take MXFP8 experts, not {fmt}")
+
+    def swiglu(vals):
+        return swiglu_oai(vals[0], vals[1], alpha=alpha, limit=limit)
+
+    return _grouped_gemm_swapped(h_TD[row_token_M], mats, slot_B, rows_B, rows_major=True, kt=kt, group=group,
+                                 epilogue=swiglu, name="moe_gate_up_mxfp8_mgpu_swapped", interpret=interpret)
+
+
+def down_swapped(actT_FM: jax.Array, slot_B: jax.Array, rows_B: jax.Array, experts: dict, kt: KernelTiles, *,
+                 group: int, interpret: bool = False) -> jax.Array:
+    """yT [D, M] = (act @ down[slot])^T from `gate_up_swapped`'s actT (MXFP8 experts)."""
+    fmt, mats = _mats(experts, ("down",))
+    if fmt != "mxfp8":
+        raise ValueError(f"the swapped Mosaic GPU MoE kernels take MXFP8 experts, not {fmt}")
+    return _grouped_gemm_swapped(actT_FM, mats, slot_B, rows_B, rows_major=False, kt=kt, group=group,
+                                 epilogue=lambda vals: vals[0], name="moe_down_mxfp8_mgpu_swapped",
+                                 interpret=interpret)

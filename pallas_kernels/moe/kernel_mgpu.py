@@ -326,24 +326,24 @@ def _grouped_gemm_swapped(b_src: jax.Array, mats: tuple[tuple[jax.Array, jax.Arr
 
                 def body(_, b_smem, *rest):
                     *w_smems, accs = rest
-                    a_regs = [_widen_mxfp8_transposed(w_smems[2 * m].at[:, cols], w_smems[2 * m + 1].at[:, cols])
-                              for m in range(len(mats))]
-                    if interpret:
-                        for m, halves in enumerate(a_regs):
-                            for h, a in enumerate(halves):
-                                a_smem[wg, m, h] = a
-                        plgpu.commit_smem()
-                        a_regs = [[a_smem.at[wg, m, h] for h in range(2)] for m in range(len(mats))]
 
-                    def mma(rows: int) -> None:
-                        for acc, halves in zip(accs, a_regs, strict=True):
+                    def step(rows: int) -> None:
+                        # Matrix by matrix: the next matrix's widening can run beside this one's wgmma.
+                        for m, acc in enumerate(accs):
+                            words, scales = w_smems[2 * m:2 * m + 2]
+                            halves = _widen_mxfp8_transposed(words.at[:, cols], scales.at[:, cols])
+                            if interpret:
+                                for h, a in enumerate(halves):
+                                    a_smem[wg, m, h] = a
+                                plgpu.commit_smem()
+                                halves = [a_smem.at[wg, m, h] for h in range(2)]
                             for h, a in enumerate(halves):
                                 plgpu.wgmma(acc.at[:, pl.ds(0, rows)] if rows < BM else acc, a,
                                             b_half(b_smem, h, rows))
                         plgpu.wgmma_wait(0)
 
-                    pl.when(full)(lambda: mma(BM))
-                    pl.when(~full)(lambda: mma(WG_ROWS))  # a block of <= 64 pairs: wgmma N = 64
+                    pl.when(full)(lambda: step(BM))
+                    pl.when(~full)(lambda: step(WG_ROWS))  # a block of <= 64 pairs: wgmma N = 64
                     return accs
 
                 def context(run):

@@ -580,7 +580,10 @@ def _dense_variants(kind: str, context: int, base: AttentionTiles, P: int) -> li
         if kind != "prefill":
             return []
         # (attention-h200-prefill-1.json: half-page key tiles, bt 16 and bt 4 were slower; -4.json: 4 warps.)
-        return [r(base, num_stages=2)]
+        # The Mosaic GPU kernel (attention/kernel_mgpu.py, FA3-style) first: whole-page or half-page key steps,
+        # 2-4 K/V buffers (a whole page at 3 stages is the most that fits 227 KB).
+        mosaic = [r(base, backend="mosaic", key_tile=kt, num_stages=st) for kt, st in ((128, 2), (128, 3), (64, 4))]
+        return [*mosaic, r(base, num_stages=2)]
     if VARIANTS != "tune":
         return []
     if kind == "decode":

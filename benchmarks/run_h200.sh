@@ -10,6 +10,8 @@
 #             sparse prefill, dense single-tile) against their jnp references, 8k decode and prefill
 #   lincheck  the linear kernel's batch-invariant rows bitwise across M, split spread vs in-program, other tiles
 #   moeinv    the MoE kernels' rows bitwise across tile sets and token counts (what the invariant tiles rely on)
+#   attnpre   the 8k prefill chunk's attention ops with their prefill variants, the Mosaic GPU dense kernel first
+#             (checked against the Triton kernel's output and, on a token subset, the reference; issue 28)
 #   moemx     MXFP8 prefill MoE: the Triton table and the Mosaic GPU candidates (each K group widened once into
 #             shared memory) at T = 2048 / 8192, checked against the reference at 2048, and bf16 at 8192 beside it
 #             (issue 28's "MXFP8 MoE at T = 8192 within 1.2x of the bf16 kernel"); the table's tiles are timed as
@@ -76,6 +78,10 @@ for what in "$@"; do
     moeinv)
       timeout "${MOEINV_TIMEOUT:-150}" python3 benchmarks/check_moe_invariance.py \
         --out "$OUT/moe-invariance-${GPU_NAME:-h200}.json"
+      ;;
+    attnpre)
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.94 timeout "${ATTNPRE_TIMEOUT:-300}" python3 benchmarks/bench_attention.py \
+        --contexts "" --variants prefill --prefill-locality 0 --out "$OUT/attention-prefill-${GPU_NAME:-h200}.json"
       ;;
     moemx)
       timeout "${MOEMX_TIMEOUT:-330}" python3 benchmarks/bench_moe.py --formats mxfp8 bf16 --tokens 2048 8192 \

@@ -183,3 +183,20 @@ def test_mosaic_moe_lowers(fmt, T):
                            alpha=CFG.swiglu_alpha, limit=CFG.swiglu_limit, tiles=tiles)
     text = lower_for_gpu(fn, _sds((T, D), jnp.bfloat16), _moe_params(fmt))
     assert text.count("custom_call @mosaic_gpu") == 2 and count_triton_kernels(text) == 0  # gate_up and down
+
+
+@pytest.mark.parametrize("key_tile,stages", [(128, 3), (64, 4)])
+def test_mosaic_dense_attention_lowers(key_tile, stages):
+    """The Mosaic GPU dense attention (attention/kernel_mgpu.py) through jax's Mosaic GPU lowering for an 8k
+    prefill chunk at M3's head shapes: its shared memory (a whole page's K and V at 3 stages is 224 KB of the
+    H200's 227) and the refs, transforms and layouts the lowering takes."""
+    from pallas_kernels.attention import kernel as attn_kernel
+
+    tiles = tuning.AttentionTiles(bt=8, pages_per_split=64, key_tile=key_tile, num_stages=stages,
+                                  backend="mosaic")
+    fn = functools.partial(attn_kernel.paged_dense_attention, scale=SCALE, tiles=tiles)
+    T, R, P = 8192, 4, 80
+    text = lower_for_gpu(fn, _sds((T, H, HD), jnp.bfloat16), _sds((NUM_PAGES, PS, K, HD), jnp.bfloat16),
+                         _sds((NUM_PAGES, PS, K, HD), jnp.bfloat16), _sds((R, P), jnp.int32), _sds((T,), jnp.int32),
+                         _sds((T,), jnp.int32))
+    assert text.count("custom_call @mosaic_gpu") == 1 and count_triton_kernels(text) == 0

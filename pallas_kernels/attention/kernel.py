@@ -28,6 +28,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.attention import kernel_mgpu
 from pallas_kernels.attention.ragged import QueryBlocks, query_blocks, whole_pages
 from pallas_kernels.attention.tuning import AttentionTiles, pow2_at_least
 
@@ -215,6 +216,10 @@ def paged_dense_attention(q_THD: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
                           token_row_T: jax.Array, pos_T: jax.Array, scale: float, *, tiles: AttentionTiles,
                           interpret: bool = False) -> jax.Array:
     """Kernel version of `attention.reference.paged_dense_attention` (prefill chunks and decodes in one launch)."""
+    if tiles.backend == "mosaic":
+        return kernel_mgpu.paged_dense_attention(q_THD, k_pages, v_pages, page_table_RP, token_row_T, pos_T, scale,
+                                                 key_tile=tiles.key_tile or k_pages.shape[1],
+                                                 stages=tiles.num_stages, interpret=interpret)
     qbs = query_blocks(token_row_T, pos_T, bt=tiles.bt, num_rows=page_table_RP.shape[0])
     return ragged_paged_attention(q_THD, k_pages, v_pages, page_table_RP, pos_T, qbs, scale=scale, tiles=tiles,
                                   interpret=interpret)

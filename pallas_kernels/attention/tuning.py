@@ -65,6 +65,9 @@ class AttentionTiles:
     # which body depends on the first token of its query block, i.e. on how the step cut the request, and the two
     # bodies need not round alike (the compiler may contract `s * c - m * c` differently around the select).
     mask_every_page: bool = False
+    # Dense: "triton" (kernel.py) or "mosaic" (kernel_mgpu.py: warp-specialised, TMA-fed wgmma, for prefill-sized
+    # steps; `key_tile` keys per step and `num_stages` K/V buffers; bt is its own, 2 x 64 rows / heads per group).
+    backend: str = "triton"
 
 
 def pow2_at_least(x: int) -> int:

@@ -1,0 +1,239 @@
+"""Dense paged attention for prefill-sized steps on Mosaic GPU: warp-specialised, TMA-fed wgmma (FA3-style).
+
+Same query blocks, rows and result as `kernel.paged_dense_attention` (the Triton kernel) with its prefill tiles.
+Why a second backend: the Triton kernel's 8k prefill chunk runs at ~1.96x its compute floor, and the Pallas
+Triton lowering cannot express what closes that gap: one warpgroup loading K/V pages by TMA while two compute
+warpgroups alternate on the tensor cores, each one's softmax overlapping the other's matrix work. This is the
+structure of jax's own Hopper flash attention (`jax.experimental.pallas.ops.gpu.attention_mgpu`), here over a
+page table, with grouped-query rows and token-exact causal masks.
+
+One program per (query block, KV group). A query block is `2 * 64 / heads_per_group` tokens of one request
+(`ragged.query_blocks`; 8 tokens for M3's 16 heads per group); compute warpgroup w takes its tokens
+w * 64 / hg .. , whose hg heads each make its 64 wgmma rows (row r: token r // hg, head r % hg), loaded as one
+TMA copy of [hg, hd] per token. The memory warpgroup streams the request's pages 0 .. max_pos // page_size,
+`key_tile` keys a step (a whole page or half of one), K and V through `stages` buffers each; both compute
+warpgroups walk every step, the leading pages that all their rows see whole without the causal mask. Scores,
+softmax (base 2, the scale folded into one multiply-add, a finite running-max start so a row that sees no key
+gives 0) and the P @ V operand stay in registers: P is wgmma's A operand.
+
+Interpret mode: `plgpu.InterpretGPUParams` (jax's GPU interpreter), where wgmma reads both operands from shared
+memory, so P goes through a shared-memory tile there; that is the only difference.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.attention.ragged import QueryBlocks, query_blocks
+
+WG_ROWS = 64  # rows of one compute warpgroup's wgmma: tokens x heads of its share of the query block
+M_INIT = -1e30  # finite running-max start (see kernel.M_INIT)
+LOG2E = math.log2(math.e)
+
+
+def supports(heads_per_group: int, head_dim: int, page_size: int, key_tile: int) -> bool:
+    """Shapes this kernel takes: a token's heads are whole 8-row tiles of the 64 rows, 64-wide swizzle atoms."""
+    return (WG_ROWS % heads_per_group == 0 and heads_per_group % 8 == 0 and head_dim % 64 == 0
+            and key_tile % 64 == 0 and page_size % key_tile == 0)
+
+
+def tokens_per_block(heads_per_group: int) -> int:
+    return 2 * (WG_ROWS // heads_per_group)
+
+
+def _kernel(start_ref, length_ref, row_ref, max_pos_ref, page_table_ref, pos_ref, q_ref, k_ref, v_ref, o_ref,
+            scoped, *, hg: int, ps: int, kt: int, stages: int, scale: float, interpret: bool):
+    (qo_smem2, k_smem, v_smem, p_smem2), (k_loaded, v_loaded, q_loaded), (k_used, v_used), turn = scoped
+    qb, g, wg = lax.axis_index("qb"), lax.axis_index("g"), lax.axis_index("wg")
+    T = q_ref.shape[0]
+    P = page_table_ref.shape[1]
+    D = q_ref.shape[-1]
+    t0, n, row = start_ref[qb], length_ref[qb], row_ref[qb]
+    steps_per_page = ps // kt
+    num_pages = jnp.where(n > 0, jnp.minimum(max_pos_ref[qb] // ps + 1, P), 0)
+    num_steps = num_pages * steps_per_page
+
+    def take_turn():  # the two compute warpgroups alternate on the tensor cores (as attention_mgpu does)
+        plgpu.barrier_arrive(turn)
+        plgpu.barrier_wait(turn)
+
+    @pl.when(wg < 2)
+    def _compute():
+        plgpu.set_max_registers(232, action="increase")
+        qo = qo_smem2.at[wg]
+        tpw = WG_ROWS // hg  # tokens of this warpgroup
+        first = wg * tpw
+        for i in range(tpw):  # rows i*hg .. : token first + i's heads of group g (a clamped token past n is unused)
+            t = jnp.minimum(t0 + first + i, T - 1)
+            plgpu.copy_gmem_to_smem(q_ref.at[t, pl.ds(g * hg, hg)], qo.at[pl.ds(i * hg, hg)],
+                                    q_loaded.at[wg * tpw + i])
+
+        # Each row's position (-1 for rows of tokens past the block's end: they see nothing) and the pages that
+        # all of this warpgroup's valid rows see whole.
+        tok_ids = plgpu.broadcasted_iota(jnp.int32, (WG_ROWS, kt), 0, layout=plgpu.Layout.WGMMA) // hg
+        pos_2d = jnp.full((WG_ROWS, kt), -1, jnp.int32)
+        min_pos = jnp.int32(jnp.iinfo(jnp.int32).max)
+        for i in range(tpw):
+            valid = first + i < n
+            p_i = jnp.where(valid, pos_ref[jnp.minimum(t0 + first + i, T - 1)], -1)
+            pos_2d = jnp.where(tok_ids == i, p_i, pos_2d)
+            min_pos = jnp.where(valid, jnp.minimum(min_pos, p_i), min_pos)
+        pos_row = jnp.max(pos_2d, axis=1)  # [64], WGMMA row layout
+        whole_steps = jnp.where(min_pos == jnp.iinfo(jnp.int32).max, 0,
+                                jnp.minimum((min_pos + 1) // ps, num_pages)) * steps_per_page
+        for i in range(tpw):
+            plgpu.barrier_wait(q_loaded.at[wg * tpw + i])
+
+        c = scale * LOG2E  # m is kept in units of c * score: p = 2^(c s - m)
+        m_i = plgpu.layout_cast(jnp.full((WG_ROWS,), M_INIT, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+        l_i = plgpu.layout_cast(jnp.full((WG_ROWS,), 0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+        acc = plgpu.layout_cast(jnp.full((WG_ROWS, D), 0, jnp.float32), plgpu.Layout.WGMMA)
+
+        @pl.when(num_steps > 0)
+        def _():
+            plgpu.barrier_wait(k_loaded.at[0])
+
+        pl.when(wg == 1)(take_turn)
+
+        def step(s, carry, masked: bool):
+            acc, m_i, l_i = carry
+            slot = lax.rem(s, stages)
+
+            def qk(acc_ref):
+                plgpu.wgmma(acc_ref, qo, k_smem.at[slot].transpose((1, 0)))
+                take_turn()
+                return acc_ref[...]
+
+            s_ = pl.run_scoped(qk, plgpu.ACC((WG_ROWS, kt), jnp.float32))
+            plgpu.barrier_arrive(k_used.at[slot])
+            if masked:
+                key0 = s * kt  # pages are read in logical order: step s holds keys s*kt ..
+                kpos = plgpu.broadcasted_iota(jnp.int32, (WG_ROWS, kt), 1, layout=plgpu.Layout.WGMMA) + key0
+                s_ = jnp.where(kpos <= lax.broadcast_in_dim(pos_row, s_.shape, [0]), s_, -jnp.inf)
+            m_new = jnp.maximum(m_i, s_.max(axis=1) * c)
+            alpha = jnp.exp2(m_i - m_new)
+            p = jnp.exp2(s_ * c - lax.broadcast_in_dim(m_new, s_.shape, [0]))
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            l_i = l_i * alpha + p.sum(axis=1)
+            p16 = p.astype(v_smem.dtype)
+            acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
+            plgpu.barrier_arrive(turn)  # softmax done
+            plgpu.barrier_wait(v_loaded.at[slot])
+            plgpu.barrier_wait(turn)  # the tensor cores are free
+
+            def pv(acc_ref):
+                plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+
+                @pl.when(s + 1 < num_steps)
+                def _():
+                    plgpu.barrier_wait(k_loaded.at[lax.rem(s + 1, stages)])
+
+            if interpret:
+                # The interpreter runs wgmma from shared memory only, and has no rule for run_state: P goes through
+                # shared memory, and P @ V into a fresh accumulator added to acc (the same sum, rounded once more).
+                p_smem2.at[wg][...] = p16
+                plgpu.commit_smem()
+                p16 = p_smem2.at[wg]
+
+                def pv_fresh(acc_ref):
+                    pv(acc_ref)
+                    return acc_ref[...]
+
+                acc = acc + pl.run_scoped(pv_fresh, plgpu.ACC((WG_ROWS, D), jnp.float32))
+            else:
+                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+            plgpu.barrier_arrive(v_used.at[slot])
+            return acc, m_new, l_i
+
+        carry = lax.fori_loop(0, whole_steps, functools.partial(step, masked=False), (acc, m_i, l_i))
+        acc, m_i, l_i = lax.fori_loop(whole_steps, num_steps, functools.partial(step, masked=True), carry)
+        pl.when(wg == 0)(take_turn)
+
+        acc = acc / lax.broadcast_in_dim(jnp.where(l_i > 0, l_i, 1.0), acc.shape, [0])
+        qo[...] = acc.astype(qo.dtype)
+        plgpu.commit_smem()
+        for i in range(tpw):
+            @pl.when(first + i < n)
+            def _(i: int = i) -> None:
+                plgpu.copy_smem_to_gmem(qo.at[pl.ds(i * hg, hg)], o_ref.at[t0 + first + i, pl.ds(g * hg, hg)])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 2)
+    def _memory():
+        plgpu.set_max_registers(40, action="decrease")
+
+        def load(s, slot):
+            page = page_table_ref[row, s // steps_per_page]
+            keys = pl.ds(lax.rem(s, steps_per_page) * kt, kt)
+            plgpu.copy_gmem_to_smem(k_ref.at[page, keys, g], k_smem.at[slot], k_loaded.at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[page, keys, g], v_smem.at[slot], v_loaded.at[slot])
+
+        for i in range(stages):
+            pl.when(i < num_steps)(functools.partial(load, i, i))
+
+        @pl.loop(0, jnp.maximum(num_steps - stages, 0))
+        def _(s):
+            slot = lax.rem(s, stages)
+            plgpu.barrier_wait(k_used.at[slot])
+            plgpu.barrier_wait(v_used.at[slot])
+            load(s + stages, slot)
+
+        # The last steps' buffers are released too before the barriers go: every phase is observed (what jax's
+        # GPU interpreter checks when a barrier is deallocated; on the GPU it costs a few waits per program).
+        @pl.loop(jnp.maximum(num_steps - stages, 0), num_steps)
+        def _(s):
+            plgpu.barrier_wait(k_used.at[lax.rem(s, stages)])
+            plgpu.barrier_wait(v_used.at[lax.rem(s, stages)])
+
+
+def paged_dense_attention(q_THD: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table_RP: jax.Array,
+                          token_row_T: jax.Array, pos_T: jax.Array, scale: float, *, key_tile: int, stages: int,
+                          interpret: bool = False, qbs: QueryBlocks | None = None) -> jax.Array:
+    """`kernel.paged_dense_attention` (KVPages' [pages, page_size, K, hd] pools) on Mosaic GPU; bf16 or f16."""
+    T, H, D = q_THD.shape
+    _, ps, K, _ = k_pages.shape
+    hg = H // K
+    kt = min(key_tile, ps)
+    if not supports(hg, D, ps, kt) or stages < 2:
+        raise ValueError(f"the Mosaic GPU dense attention takes heads per group dividing 64 in multiples of 8, "
+                         f"head_dim and key tiles in multiples of 64, 2+ stages: got hg={hg}, hd={D}, "
+                         f"page={ps}, key tile={kt}, stages={stages}")
+    if qbs is None:
+        qbs = query_blocks(token_row_T, pos_T, bt=tokens_per_block(hg), num_rows=page_table_RP.shape[0])
+    dt = q_THD.dtype
+    tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))  # 64 bf16 = one 128-byte swizzle
+    scratch = [plgpu.SMEM((2, WG_ROWS, D), dt, transforms=tiled),
+               plgpu.SMEM((stages, kt, D), dt, transforms=tiled),
+               plgpu.SMEM((stages, kt, D), dt, transforms=tiled),
+               plgpu.SMEM((2, WG_ROWS, kt), dt, transforms=tiled) if interpret else None]
+    tpw = WG_ROWS // hg
+
+    def entry(*refs):
+        pl.run_scoped(
+            lambda *scoped: _kernel(*refs, scoped, hg=hg, ps=ps, kt=kt, stages=stages, scale=scale,
+                                    interpret=interpret),
+            scratch,
+            (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
+             plgpu.Barrier(num_barriers=2 * tpw)),
+            (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2,
+            plgpu.Barrier(num_arrivals=2),
+            collective_axes="wg",
+        )
+
+    entry.__name__ = entry.__qualname__ = "dense_paged_attention_mgpu"
+    return plgpu.kernel(
+        entry,
+        out_type=jax.ShapeDtypeStruct((T, H, D), dt),
+        grid=(qbs.num_blocks, K), grid_names=("qb", "g"),
+        num_threads=3, thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )(qbs.start_Q, qbs.length_Q, qbs.row_Q, qbs.max_pos_Q, page_table_RP.astype(jnp.int32),
+      pos_T.astype(jnp.int32), q_THD, k_pages, v_pages)

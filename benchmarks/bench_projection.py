@@ -64,7 +64,7 @@ from benchmarks.timing import git_rev
 
 DEPLOYMENTS = {"tp4": (4, False), "tp8": (8, False), "ep8": (8, True)}
 INFERENCEX = {(1024, 1024, 32): 445.8, (1024, 1024, 64): 580.9, (8192, 1024, 32): 1230.0, (8192, 1024, 64): 1500.6}
-HBM_BYTES_PER_S = 4.3e12  # H200 device-to-device copy, read + write (shared/gpu.md; the datasheet's 4.8 before 2dba061)
+HBM_BYTES_PER_S = 4.3e12  # H200 device-to-device copy, read + write (shared/gpu.md; records up to 47a0dfa used 4.8)
 GPU_MEMORY = 141e9
 EXPERT_BYTES = {"bf16": 2.0, "mxfp8": 1 + 1 / 32}  # per weight element, as the MoE kernels hold them
 

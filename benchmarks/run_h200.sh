@@ -12,8 +12,9 @@
 #   moeinv    the MoE kernels' rows bitwise across tile sets and token counts (what the invariant tiles rely on)
 #   attnpre   the 8k prefill chunk's attention ops with their prefill variants, the Mosaic GPU dense kernel first
 #             (checked against the Triton kernel's output and, on a token subset, the reference; issue 28)
-#   moemx     MXFP8 prefill MoE: the Triton table and the Mosaic GPU candidates (each K group widened once into
-#             shared memory) at T = 2048 / 8192, checked against the reference at 2048, and bf16 at 8192 beside it
+#   moemx     MXFP8 prefill MoE: the Triton table and the Mosaic GPU candidates ("swap": weights widened in
+#             registers as wgmma's A operand; "split" / "each": each K group widened once into shared memory;
+#             MOEMX_FIRST=5 takes the three "swap" and two "split" ones) at T = 2048 / 8192, checked against the reference at 2048, and bf16 at 8192 beside it
 #             (issue 28's "MXFP8 MoE at T = 8192 within 1.2x of the bf16 kernel"); the table's tiles are timed as
 #             sweep rows (--sweep-table), so it fits an 80 GB H100, where the main table's 8192-token reference
 #             check (48 GB beside the weights) does not

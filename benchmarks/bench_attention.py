@@ -83,6 +83,7 @@ class Recorder:
 # The attention implementation every dispatch call here takes ("pallas" on the GPU, "interpret" with --small).
 IMPL = "pallas"
 INVARIANT = False  # --batch-invariant: the ops with the tiles of batch-invariant serving
+IN_GRAPH_PREFILL = False  # --in-graph-prefill: prefill ops timed inside a jitted graph too (the closing run)
 
 def _us(x: float | None) -> str:
     return "-" if x is None else f"{x * 1e6:9.1f}us"
@@ -346,7 +347,7 @@ def bench_case(case: Case, s: Shapes, rec: Recorder, *, small: bool, interpret: 
     rec.add(op="msa_index_topk", case=case.name, variant=f"table {_fmt(tiles)}", shape=shape, time_s=t,
             floor_s=floor_s, floor_kind=floor_kind, bytes=idx_bytes, flops=idx_flops, ratio=_ratio(t, floor_s),
             reference_time_s=t_ref, check=check, error=err, **_no_ref(with_reference),
-            **device_timings(select, sel_sets, small, floor_s, in_graph=decode))
+            **device_timings(select, sel_sets, small, floor_s, in_graph=decode or IN_GRAPH_PREFILL))
     select_ok = err is None
 
     # Kernel stage alone (block scores; the query-block metadata, the forcing and lax.top_k excluded).
@@ -393,7 +394,7 @@ def bench_case(case: Case, s: Shapes, rec: Recorder, *, small: bool, interpret: 
     rec.add(op="msa_sparse_attention", case=case.name, variant=f"table {_fmt(stiles)}", shape=shape, time_s=t,
             floor_s=floor_s, floor_kind=floor_kind, bytes=sp_bytes, flops=sp_flops, ratio=_ratio(t, floor_s),
             reference_time_s=t_ref, check=check, error=err, **_no_ref(with_reference),
-            **device_timings(sp, sp_sets, small, floor_s, in_graph=decode),
+            **device_timings(sp, sp_sets, small, floor_s, in_graph=decode or IN_GRAPH_PREFILL),
             **({"selection_overlap": _selection_overlap(np.asarray(blocks_sets[0]))} if not decode else {}))
 
     # --- dense ragged paged attention (the 3 dense layers) ---
@@ -415,7 +416,7 @@ def bench_case(case: Case, s: Shapes, rec: Recorder, *, small: bool, interpret: 
     rec.add(op="dense_attention", case=case.name, variant=f"table {_fmt(dtiles)}", shape=shape, time_s=t,
             floor_s=floor_s, floor_kind=floor_kind, bytes=dn_bytes, flops=dn_flops, ratio=_ratio(t, floor_s),
             reference_time_s=t_ref, check=check, error=err, **_no_ref(with_reference),
-            **device_timings(dn, dn_sets, small, floor_s, in_graph=decode))
+            **device_timings(dn, dn_sets, small, floor_s, in_graph=decode or IN_GRAPH_PREFILL))
 
     i_floor, _ = _floor(idx_bytes, idx_flops)
     s_floor = rec.rows[-2]["floor_s"]
@@ -724,6 +725,8 @@ def main() -> None:
     ap.add_argument("--warm-up-s", type=float, default=5.0, help="seconds of matmuls before the first timing")
     ap.add_argument("--batch-invariant", action="store_true",
                     help="the tiles of --batch-invariant serving (KernelChoice.batch_invariant) instead of the table's")
+    ap.add_argument("--in-graph-prefill", action="store_true",
+                    help="time the prefill ops inside a jitted graph too (IN_GRAPH_COPIES calls on fresh queries)")
     ap.add_argument("--render", metavar="JSON", help="print the markdown table of a results file and exit")
     a = ap.parse_args()
     global VARIANTS
@@ -735,8 +738,9 @@ def main() -> None:
     start = time.perf_counter()
     deadline = start + a.budget_s
     interpret = a.small
-    global IMPL, INVARIANT
+    global IMPL, INVARIANT, IN_GRAPH_PREFILL
     INVARIANT = a.batch_invariant
+    IN_GRAPH_PREFILL = a.in_graph_prefill
     IMPL = "interpret" if a.small else "pallas"
     s = SMALL if a.small else M3
     dtype = jnp.bfloat16

@@ -12,6 +12,9 @@
 #   moeinv    the MoE kernels' rows bitwise across tile sets and token counts (what the invariant tiles rely on)
 #   attnpre   the 8k prefill chunk's attention ops with their prefill variants, the Mosaic GPU dense kernel first
 #             (checked against the Triton kernel's output and, on a token subset, the reference; issue 28)
+#   closing   issue 28's closing run: the 8k prefill attention ops (random and 256-token-drift selections) and
+#             the MoE at T = 8192 (bf16, MXFP8; main table, reference-checked), all timed in graph, composed by
+#             prefill_closing.py into prefill-<gpu>-closing.json (the MoE's 8192-token check needs an H200)
 #   moemx     MXFP8 prefill MoE: the Triton table and the Mosaic GPU candidates ("swap": weights widened in
 #             registers as wgmma's A operand; "split" / "each": each K group widened once into shared memory;
 #             MOEMX_FIRST=5 takes the three "swap" and two "split" ones) at T = 2048 / 8192, checked against the reference at 2048, and bf16 at 8192 beside it
@@ -83,6 +86,16 @@ for what in "$@"; do
     attnpre)
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.94 timeout "${ATTNPRE_TIMEOUT:-300}" python3 benchmarks/bench_attention.py \
         --contexts "" --variants prefill --prefill-locality 0 --out "$OUT/attention-prefill-${GPU_NAME:-h200}.json"
+      ;;
+    closing)
+      gpu="${GPU_NAME:-h200}"
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.94 timeout 240 python3 benchmarks/bench_attention.py --contexts "" \
+        --variants none --in-graph-prefill --prefill-locality 0 256 --warm-up-s 2 \
+        --out "$OUT/attention-closing-$gpu.json"
+      timeout 300 python3 benchmarks/bench_moe.py --formats bf16 mxfp8 --tokens 8192 --sweep 0 \
+        --in-graph-max-tokens 8192 --ref-time-max-tokens 0 --kernels-only-tokens 0 --out "$OUT/moe-closing-$gpu.json"
+      python3 benchmarks/prefill_closing.py --attention "$OUT/attention-closing-$gpu.json" \
+        --moe "$OUT/moe-closing-$gpu.json" --out "$OUT/prefill-$gpu-closing.json"
       ;;
     moemx)
       timeout "${MOEMX_TIMEOUT:-330}" python3 benchmarks/bench_moe.py --formats mxfp8 bf16 --tokens 2048 8192 \

@@ -14,7 +14,8 @@
 #             (checked against the Triton kernel's output and, on a token subset, the reference; issue 28)
 #   closing   issue 28's closing run: the 8k prefill attention ops (random and 256-token-drift selections) and
 #             the MoE at T = 8192 (bf16, MXFP8; main table, reference-checked), all timed in graph, composed by
-#             prefill_closing.py into prefill-<gpu>-closing.json (the MoE's 8192-token check needs an H200)
+#             prefill_closing.py into prefill-<gpu>-closing.json (the MoE's 8192-token check needs an H200), then
+#             an 8k prompt's bare prefill on m3-slice (the model's part of its time to first token)
 #   moemx     MXFP8 prefill MoE: the Triton table and the Mosaic GPU candidates ("swap": weights widened in
 #             registers as wgmma's A operand; "split" / "each": each K group widened once into shared memory;
 #             MOEMX_FIRST=5 takes the three "swap" and two "split" ones) at T = 2048 / 8192, checked against the reference at 2048, and bf16 at 8192 beside it
@@ -96,6 +97,9 @@ for what in "$@"; do
         --in-graph-max-tokens 8192 --ref-time-max-tokens 0 --kernels-only-tokens 0 --out "$OUT/moe-closing-$gpu.json"
       python3 benchmarks/prefill_closing.py --attention "$OUT/attention-closing-$gpu.json" \
         --moe "$OUT/moe-closing-$gpu.json" --out "$OUT/prefill-$gpu-closing.json"
+      # An 8k prompt's bare prefill on m3-slice: the model's part of its time to first token.
+      timeout 150 python3 benchmarks/bench_slice_decode.py --preset "${MODEL:-m3-slice}" --batches 1 \
+        --context 8192 --prefill-lens 8192 --out "$OUT/slice-prefill-8k-$gpu.json"
       ;;
     moemx)
       timeout "${MOEMX_TIMEOUT:-330}" python3 benchmarks/bench_moe.py --formats mxfp8 bf16 --tokens 2048 8192 \

@@ -525,7 +525,9 @@ def _index_variants(kind: str, context: int, base: IndexTiles) -> list[IndexTile
         # (attention-h200-prefill-1/-2/-3.json: bt 32 / 64, the fused top-k and half-page dots, which IndexTiles
         # no longer offers, were all slower than the table's bt 16: 167-305 against 164 us.)
         # (attention-h200-prefill-4/-5.json: 32 pages per program beat 16 and 8; 8 warps and 2 stages were slower.)
-        return [r(base, bp=16), r(base, bp=64)]
+        # The Mosaic GPU scoring (msa/kernel_mgpu.py) first: 32-token query blocks, 32 or 64 pages per program.
+        mosaic = [r(base, backend="mosaic", bp=bp, num_stages=st) for bp, st in ((32, 4), (64, 4), (32, 3))]
+        return [*mosaic, r(base, bp=16), r(base, bp=64)]
     if VARIANTS == "final":
         # The top-k inside the scoring kernel (no second launch) or as a second launch, and longer page streams
         # per program. (8 or 2 rows per top-k program were timed too, attention-h200-final.json: no better;

@@ -10,8 +10,8 @@
 #             sparse prefill, dense single-tile) against their jnp references, 8k decode and prefill
 #   lincheck  the linear kernel's batch-invariant rows bitwise across M, split spread vs in-program, other tiles
 #   moeinv    the MoE kernels' rows bitwise across tile sets and token counts (what the invariant tiles rely on)
-#   attnpre   the 8k prefill chunk's attention ops with their prefill variants, the Mosaic GPU dense kernel first
-#             (checked against the Triton kernel's output and, on a token subset, the reference; issue 28)
+#   attnpre   the 8k prefill chunk's attention ops with their prefill variants, the Mosaic GPU dense attention
+#             and index scoring first (checked against the Triton kernels' outputs; issue 28)
 #   closing   issue 28's closing run: the 8k prefill attention ops (random and 256-token-drift selections) and
 #             the MoE at T = 8192 (bf16, MXFP8; main table, reference-checked), all timed in graph, composed by
 #             prefill_closing.py into prefill-<gpu>-closing.json (the MoE's 8192-token check needs an H200), then

@@ -46,6 +46,10 @@ class IndexTiles:
     # otherwise depends on the other tokens of the query block (padding at position 0 joins the last request's
     # run), and on the GPU the two bodies' dots need not round alike.
     mask_every_page: bool = False
+    # Scoring: "triton" (msa/kernel.py) or "mosaic" (msa/kernel_mgpu.py: warp-specialised, TMA-fed wgmma, for
+    # prefill-sized steps; its own query blocks of 2 x 64 / index heads tokens, `bp` pages per program (a
+    # multiple of 32 up to the page size), `num_stages` index-K buffers; the top-k as `topk` says, never fused).
+    backend: str = "triton"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,6 +31,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.attention.kernel import ragged_paged_attention
 from pallas_kernels.attention.ragged import QueryBlocks, query_blocks, whole_pages
 from pallas_kernels.attention.tuning import AttentionTiles, IndexTiles
+from pallas_kernels.msa import kernel_mgpu
 from pallas_kernels.msa.block_major import block_major_attention
 from pallas_kernels.sync import when_last
 
@@ -237,12 +238,18 @@ def paged_select_blocks(iq_TGD: jax.Array, ik_pages: jax.Array, page_table_RP: j
                         pos_T: jax.Array, *, topk: int, local_blocks: int, init_blocks: int = 0,
                         tiles: IndexTiles, interpret: bool = False) -> jax.Array:
     """Kernel version of `msa.reference.paged_select_blocks`: logical block ids [T, G, topk], -1 padded."""
-    qbs = query_blocks(token_row_T, pos_T, bt=tiles.block_tokens or tiles.bt, num_rows=page_table_RP.shape[0])
-    if tiles.topk == "fused":
-        sel = {"topk": topk, "local_blocks": local_blocks, "init_blocks": init_blocks}
-        return block_scores(iq_TGD, ik_pages, page_table_RP, pos_T, qbs, tiles=tiles, select=sel,
-                            interpret=interpret)
-    scores = block_scores(iq_TGD, ik_pages, page_table_RP, pos_T, qbs, tiles=tiles, interpret=interpret)
+    if tiles.backend == "mosaic":
+        bt = kernel_mgpu.tokens_per_block(iq_TGD.shape[1])
+        qbs = query_blocks(token_row_T, pos_T, bt=bt, num_rows=page_table_RP.shape[0])
+        scores = kernel_mgpu.block_scores(iq_TGD, ik_pages, page_table_RP, pos_T, qbs, bp=tiles.bp,
+                                          stages=tiles.num_stages, interpret=interpret)
+    else:
+        qbs = query_blocks(token_row_T, pos_T, bt=tiles.block_tokens or tiles.bt, num_rows=page_table_RP.shape[0])
+        if tiles.topk == "fused":
+            sel = {"topk": topk, "local_blocks": local_blocks, "init_blocks": init_blocks}
+            return block_scores(iq_TGD, ik_pages, page_table_RP, pos_T, qbs, tiles=tiles, select=sel,
+                                interpret=interpret)
+        scores = block_scores(iq_TGD, ik_pages, page_table_RP, pos_T, qbs, tiles=tiles, interpret=interpret)
     if tiles.topk == "pallas":
         return topk_blocks(scores, pos_T, block_size=ik_pages.shape[1], num_blocks=page_table_RP.shape[1],
                            topk=topk, local_blocks=local_blocks, init_blocks=init_blocks, interpret=interpret)

@@ -1,0 +1,177 @@
+"""MSA index block scores for prefill-sized steps on Mosaic GPU: warp-specialised, TMA-fed wgmma.
+
+Same scores as `kernel.block_scores` (the Triton kernel): per token, index head and logical block, the max over
+the block's visible keys of q . k in fp32, -inf where the block is not visible. Why a second backend: at an 8k
+prefill chunk the Triton scoring runs at ~1.9x its compute floor, waiting for each page's dot before reducing it;
+here one warpgroup streams the index-K pages by TMA while two compute warpgroups each reduce one page's scores
+beside the other's matrix work.
+
+One program per (query block of 2 x 64 / index heads tokens, range of `bp` pages). Compute warpgroup w takes
+tokens w * 64 / G .. of the block, whose G index heads each are its 64 wgmma rows; consecutive tokens' rows are
+consecutive rows of iq viewed [T * G, hdi], so one TMA copy loads them (iq is padded by one block of tokens so
+that a block at the end never reads past it). Each step is one page: S = q k^T [64, page_size], masked by each
+row's own position on pages not every row sees whole, max-reduced per row into column j of a [64, bp] register
+tile, which goes out through shared memory: one copy when all of the warpgroup's tokens belong to the block,
+else one per token (rows past the block belong to another program).
+
+Interpret mode: `plgpu.InterpretGPUParams` (jax's GPU interpreter).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.attention.ragged import QueryBlocks
+
+WG_ROWS = 64
+
+
+def tokens_per_block(index_heads: int) -> int:
+    return 2 * (WG_ROWS // index_heads)
+
+
+def supports(index_heads: int, index_dim: int, page_size: int, bp: int) -> bool:
+    return (WG_ROWS % index_heads == 0 and index_dim % 64 == 0 and page_size % 64 == 0 and page_size <= 256
+            and bp % 32 == 0 and bp <= page_size)
+
+
+def _swizzled_f32(cols: int) -> tuple:
+    swizzle = plgpu.find_swizzle(cols * 32)
+    return plgpu.TilingTransform((8, swizzle // 4)), plgpu.SwizzleTransform(swizzle)
+
+
+def _kernel(start_ref, length_ref, row_ref, max_pos_ref, page_table_ref, pos_ref, iq_ref, ik_ref, o_ref, scoped,
+            *, G: int, ps: int, bp: int, stages: int, T: int):
+    (q_smem2, k_smem, out_smem2), (k_loaded, q_loaded), k_used = scoped
+    qb, split, wg = lax.axis_index("qb"), lax.axis_index("split"), lax.axis_index("wg")
+    P = page_table_ref.shape[1]
+    t0, n, row = start_ref[qb], length_ref[qb], row_ref[qb]
+    b0 = split * bp
+    last = jnp.where(n > 0, jnp.minimum(max_pos_ref[qb] // ps, P - 1), -1)
+    num_steps = jnp.clip(last + 1 - b0, 0, bp)  # this program's pages: b0 .. b0 + num_steps - 1
+
+    @pl.when(wg < 2)
+    def _compute():
+        plgpu.set_max_registers(232, action="increase")
+        tpw = WG_ROWS // G
+        first = wg * tpw
+        q = q_smem2.at[wg]
+        plgpu.copy_gmem_to_smem(iq_ref.at[pl.ds((t0 + first) * G, WG_ROWS)], q, q_loaded.at[wg])
+
+        tok_ids = plgpu.broadcasted_iota(jnp.int32, (WG_ROWS, ps), 0, layout=plgpu.Layout.WGMMA) // G
+        pos_2d = jnp.full((WG_ROWS, ps), -1, jnp.int32)
+        min_pos = jnp.int32(jnp.iinfo(jnp.int32).max)
+        for i in range(tpw):
+            valid = first + i < n
+            p_i = jnp.where(valid, pos_ref[jnp.minimum(t0 + first + i, T - 1)], -1)
+            pos_2d = jnp.where(tok_ids == i, p_i, pos_2d)
+            min_pos = jnp.where(valid, jnp.minimum(min_pos, p_i), min_pos)
+        pos_row = jnp.max(pos_2d, axis=1)
+        # Pages that every valid row sees whole, counted from b0.
+        whole = jnp.where(min_pos == jnp.iinfo(jnp.int32).max, 0,
+                          jnp.clip((min_pos + 1) // ps - b0, 0, num_steps))
+        plgpu.barrier_wait(q_loaded.at[wg])
+
+        # Column j < bp holds page b0 + j's scores; the tile is as wide as a page's scores so that the per-row
+        # maxima broadcast into it in the scores' own layout (the columns past bp stay -inf and are not stored).
+        col = plgpu.broadcasted_iota(jnp.int32, (WG_ROWS, ps), 1, layout=plgpu.Layout.WGMMA)
+        best = plgpu.layout_cast(jnp.full((WG_ROWS, ps), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA)
+
+        def step(j, best, masked: bool):
+            slot = lax.rem(j, stages)
+            plgpu.barrier_wait(k_loaded.at[slot])
+
+            def qk(acc_ref):
+                plgpu.wgmma(acc_ref, q, k_smem.at[slot].transpose((1, 0)))
+                return acc_ref[...]
+
+            s = pl.run_scoped(qk, plgpu.ACC((WG_ROWS, ps), jnp.float32))
+            plgpu.barrier_arrive(k_used.at[slot])
+            if masked:
+                kpos = plgpu.broadcasted_iota(jnp.int32, (WG_ROWS, ps), 1, layout=plgpu.Layout.WGMMA) + (b0 + j) * ps
+                s = jnp.where(kpos <= lax.broadcast_in_dim(pos_row, s.shape, [0]), s, -jnp.inf)
+            return jnp.where(col == j, lax.broadcast_in_dim(s.max(axis=1), best.shape, [0]), best)
+
+        best = lax.fori_loop(0, whole, functools.partial(step, masked=False), best)
+        best = lax.fori_loop(whole, num_steps, functools.partial(step, masked=True), best)
+
+        out = out_smem2.at[wg]
+        out[...] = best[:, :bp]
+        plgpu.commit_smem()
+        # The program's own rows of the block-major output (rows of tokens past the block's end are unused).
+        plgpu.copy_smem_to_gmem(out, o_ref.at[pl.ds((qb * 2 + wg) * WG_ROWS, WG_ROWS), pl.ds(b0, bp)])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 2)
+    def _memory():
+        plgpu.set_max_registers(40, action="decrease")
+
+        def load(j, slot):
+            page = page_table_ref[row, b0 + j]
+            plgpu.copy_gmem_to_smem(ik_ref.at[page], k_smem.at[slot], k_loaded.at[slot])
+
+        for i in range(stages):
+            pl.when(i < num_steps)(functools.partial(load, i, i))
+
+        @pl.loop(0, jnp.maximum(num_steps - stages, 0))
+        def _(j):
+            slot = lax.rem(j, stages)
+            plgpu.barrier_wait(k_used.at[slot])
+            load(j + stages, slot)
+
+        @pl.loop(jnp.maximum(num_steps - stages, 0), num_steps)  # every phase observed before the barriers go
+        def _(j):
+            plgpu.barrier_wait(k_used.at[lax.rem(j, stages)])
+
+
+def block_scores(iq_TGD: jax.Array, ik_pages: jax.Array, page_table_RP: jax.Array, pos_T: jax.Array,
+                 qbs: QueryBlocks, *, bp: int, stages: int, interpret: bool = False) -> jax.Array:
+    """[T, G, P'] fp32 (P' = bp x splits >= P): `kernel.block_scores`' result. `qbs`: query blocks of
+    `tokens_per_block(G)` tokens."""
+    T, G, Di = iq_TGD.shape
+    ps = ik_pages.shape[1]
+    P = page_table_RP.shape[1]
+    if not supports(G, Di, ps, bp) or stages < 2:
+        raise ValueError(f"the Mosaic GPU index scoring takes index heads dividing 64, index and page dims in "
+                         f"multiples of 64 (pages up to 256), bp a multiple of 32 up to the page size, 2+ "
+                         f"stages: got G={G}, hdi={Di}, page={ps}, bp={bp}, stages={stages}")
+    bt = tokens_per_block(G)
+    num_splits = -(-P // bp)
+    # One block of padding tokens: a warpgroup's 64 rows are one copy even at the end of the batch.
+    iq = jnp.pad(iq_TGD, ((0, bt), (0, 0), (0, 0))).reshape((T + bt) * G, Di)
+    dt = iq.dtype
+    tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    scratch = [plgpu.SMEM((2, WG_ROWS, Di), dt, transforms=tiled),
+               plgpu.SMEM((stages, ps, Di), dt, transforms=tiled),
+               plgpu.SMEM((2, WG_ROWS, bp), jnp.float32, transforms=_swizzled_f32(bp))]
+
+    def entry(*refs):
+        pl.run_scoped(
+            lambda *scoped: _kernel(*refs, scoped, G=G, ps=ps, bp=bp, stages=stages, T=T),
+            scratch,
+            (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=2)),
+            plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+            collective_axes="wg",
+        )
+
+    entry.__name__ = entry.__qualname__ = "msa_block_scores_mgpu"
+    Q = qbs.num_blocks
+    out = plgpu.kernel(
+        entry,
+        out_type=jax.ShapeDtypeStruct((Q * bt * G, num_splits * bp), jnp.float32),
+        grid=(qbs.num_blocks, num_splits), grid_names=("qb", "split"),
+        num_threads=3, thread_name="wg",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )(qbs.start_Q, qbs.length_Q, qbs.row_Q, qbs.max_pos_Q, page_table_RP.astype(jnp.int32),
+      pos_T.astype(jnp.int32), iq, ik_pages)
+    # Token t's rows: row t - start of its query block (the last used block starting at or before t).
+    t = jnp.arange(T, dtype=jnp.int32)
+    qb_T = jnp.searchsorted(jnp.where(qbs.length_Q > 0, qbs.start_Q, T), t, side="right") - 1
+    return out.reshape(Q, bt, G, num_splits * bp)[qb_T, t - qbs.start_Q[qb_T]]

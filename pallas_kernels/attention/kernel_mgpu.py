@@ -48,6 +48,47 @@ def tokens_per_block(heads_per_group: int) -> int:
     return 2 * (WG_ROWS // heads_per_group)
 
 
+NO_ROW = jnp.iinfo(jnp.int32).max  # row_positions' smallest position when the warpgroup has no token
+
+
+def row_positions(pos_ref, t0: jax.Array, first: jax.Array, n: jax.Array, *, rows_per_token: int, cols: int,
+                  num_tokens: int) -> tuple[jax.Array, jax.Array]:
+    """In-kernel, for a compute warpgroup's 64 rows (row r: token first + r // rows_per_token of the query block
+    of `n` tokens at `t0`): each row's position in wgmma's row layout, -1 for rows of tokens past the block (they
+    see nothing), and the smallest valid position (NO_ROW when none), whose page and those before it every valid
+    row sees whole. `cols`: the width of the score tiles the positions are compared with."""
+    tok_ids = plgpu.broadcasted_iota(jnp.int32, (WG_ROWS, cols), 0, layout=plgpu.Layout.WGMMA) // rows_per_token
+    pos_2d = jnp.full((WG_ROWS, cols), -1, jnp.int32)
+    min_pos = jnp.int32(NO_ROW)
+    for i in range(WG_ROWS // rows_per_token):
+        valid = first + i < n
+        p_i = jnp.where(valid, pos_ref[jnp.minimum(t0 + first + i, num_tokens - 1)], -1)
+        pos_2d = jnp.where(tok_ids == i, p_i, pos_2d)
+        min_pos = jnp.where(valid, jnp.minimum(min_pos, p_i), min_pos)
+    return jnp.max(pos_2d, axis=1), min_pos
+
+
+def stream_pages(load, num_steps: jax.Array, stages: int, used: tuple) -> None:
+    """The memory warpgroup's loop: `load(step, slot)` for every step, `stages` ahead of the compute warpgroups,
+    a slot reloaded once its `used` barriers say both have read it; the last steps' releases are waited for too,
+    so that every phase of the barriers is observed before they go (what jax's GPU interpreter checks when a
+    barrier is deallocated; on the GPU it costs a few waits per program)."""
+    for i in range(stages):
+        pl.when(i < num_steps)(functools.partial(load, i, i))
+
+    @pl.loop(0, jnp.maximum(num_steps - stages, 0))
+    def _(s):
+        slot = lax.rem(s, stages)
+        for barrier in used:
+            plgpu.barrier_wait(barrier.at[slot])
+        load(s + stages, slot)
+
+    @pl.loop(jnp.maximum(num_steps - stages, 0), num_steps)
+    def _(s):
+        for barrier in used:
+            plgpu.barrier_wait(barrier.at[lax.rem(s, stages)])
+
+
 def _kernel(start_ref, length_ref, row_ref, max_pos_ref, page_table_ref, pos_ref, q_ref, k_ref, v_ref, o_ref,
             scoped, *, hg: int, ps: int, kt: int, stages: int, scale: float, interpret: bool):
     (qo_smem2, k_smem, v_smem, p_smem2), (k_loaded, v_loaded, q_loaded), (k_used, v_used), turn = scoped
@@ -75,19 +116,8 @@ def _kernel(start_ref, length_ref, row_ref, max_pos_ref, page_table_ref, pos_ref
             plgpu.copy_gmem_to_smem(q_ref.at[t, pl.ds(g * hg, hg)], qo.at[pl.ds(i * hg, hg)],
                                     q_loaded.at[wg * tpw + i])
 
-        # Each row's position (-1 for rows of tokens past the block's end: they see nothing) and the pages that
-        # all of this warpgroup's valid rows see whole.
-        tok_ids = plgpu.broadcasted_iota(jnp.int32, (WG_ROWS, kt), 0, layout=plgpu.Layout.WGMMA) // hg
-        pos_2d = jnp.full((WG_ROWS, kt), -1, jnp.int32)
-        min_pos = jnp.int32(jnp.iinfo(jnp.int32).max)
-        for i in range(tpw):
-            valid = first + i < n
-            p_i = jnp.where(valid, pos_ref[jnp.minimum(t0 + first + i, T - 1)], -1)
-            pos_2d = jnp.where(tok_ids == i, p_i, pos_2d)
-            min_pos = jnp.where(valid, jnp.minimum(min_pos, p_i), min_pos)
-        pos_row = jnp.max(pos_2d, axis=1)  # [64], WGMMA row layout
-        whole_steps = jnp.where(min_pos == jnp.iinfo(jnp.int32).max, 0,
-                                jnp.minimum((min_pos + 1) // ps, num_pages)) * steps_per_page
+        pos_row, min_pos = row_positions(pos_ref, t0, first, n, rows_per_token=hg, cols=kt, num_tokens=T)
+        whole_steps = jnp.where(min_pos == NO_ROW, 0, jnp.minimum((min_pos + 1) // ps, num_pages)) * steps_per_page
         for i in range(tpw):
             plgpu.barrier_wait(q_loaded.at[wg * tpw + i])
 
@@ -175,22 +205,7 @@ def _kernel(start_ref, length_ref, row_ref, max_pos_ref, page_table_ref, pos_ref
             plgpu.copy_gmem_to_smem(k_ref.at[page, keys, g], k_smem.at[slot], k_loaded.at[slot])
             plgpu.copy_gmem_to_smem(v_ref.at[page, keys, g], v_smem.at[slot], v_loaded.at[slot])
 
-        for i in range(stages):
-            pl.when(i < num_steps)(functools.partial(load, i, i))
-
-        @pl.loop(0, jnp.maximum(num_steps - stages, 0))
-        def _(s):
-            slot = lax.rem(s, stages)
-            plgpu.barrier_wait(k_used.at[slot])
-            plgpu.barrier_wait(v_used.at[slot])
-            load(s + stages, slot)
-
-        # The last steps' buffers are released too before the barriers go: every phase is observed (what jax's
-        # GPU interpreter checks when a barrier is deallocated; on the GPU it costs a few waits per program).
-        @pl.loop(jnp.maximum(num_steps - stages, 0), num_steps)
-        def _(s):
-            plgpu.barrier_wait(k_used.at[lax.rem(s, stages)])
-            plgpu.barrier_wait(v_used.at[lax.rem(s, stages)])
+        stream_pages(load, num_steps, stages, (k_used, v_used))
 
 
 def paged_dense_attention(q_THD: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table_RP: jax.Array,

@@ -27,9 +27,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.attention.kernel_mgpu import NO_ROW, WG_ROWS, row_positions, stream_pages
 from pallas_kernels.attention.ragged import QueryBlocks
-
-WG_ROWS = 64
 
 
 def tokens_per_block(index_heads: int) -> int:
@@ -64,18 +63,9 @@ def _kernel(start_ref, length_ref, row_ref, max_pos_ref, page_table_ref, pos_ref
         q = q_smem2.at[wg]
         plgpu.copy_gmem_to_smem(iq_ref.at[pl.ds((t0 + first) * G, WG_ROWS)], q, q_loaded.at[wg])
 
-        tok_ids = plgpu.broadcasted_iota(jnp.int32, (WG_ROWS, ps), 0, layout=plgpu.Layout.WGMMA) // G
-        pos_2d = jnp.full((WG_ROWS, ps), -1, jnp.int32)
-        min_pos = jnp.int32(jnp.iinfo(jnp.int32).max)
-        for i in range(tpw):
-            valid = first + i < n
-            p_i = jnp.where(valid, pos_ref[jnp.minimum(t0 + first + i, T - 1)], -1)
-            pos_2d = jnp.where(tok_ids == i, p_i, pos_2d)
-            min_pos = jnp.where(valid, jnp.minimum(min_pos, p_i), min_pos)
-        pos_row = jnp.max(pos_2d, axis=1)
+        pos_row, min_pos = row_positions(pos_ref, t0, first, n, rows_per_token=G, cols=ps, num_tokens=T)
         # Pages that every valid row sees whole, counted from b0.
-        whole = jnp.where(min_pos == jnp.iinfo(jnp.int32).max, 0,
-                          jnp.clip((min_pos + 1) // ps - b0, 0, num_steps))
+        whole = jnp.where(min_pos == NO_ROW, 0, jnp.clip((min_pos + 1) // ps - b0, 0, num_steps))
         plgpu.barrier_wait(q_loaded.at[wg])
 
         # Column j < bp holds page b0 + j's scores; the tile is as wide as a page's scores so that the per-row
@@ -116,18 +106,7 @@ def _kernel(start_ref, length_ref, row_ref, max_pos_ref, page_table_ref, pos_ref
             page = page_table_ref[row, b0 + j]
             plgpu.copy_gmem_to_smem(ik_ref.at[page], k_smem.at[slot], k_loaded.at[slot])
 
-        for i in range(stages):
-            pl.when(i < num_steps)(functools.partial(load, i, i))
-
-        @pl.loop(0, jnp.maximum(num_steps - stages, 0))
-        def _(j):
-            slot = lax.rem(j, stages)
-            plgpu.barrier_wait(k_used.at[slot])
-            load(j + stages, slot)
-
-        @pl.loop(jnp.maximum(num_steps - stages, 0), num_steps)  # every phase observed before the barriers go
-        def _(j):
-            plgpu.barrier_wait(k_used.at[lax.rem(j, stages)])
+        stream_pages(load, num_steps, stages, (k_used,))
 
 
 def block_scores(iq_TGD: jax.Array, ik_pages: jax.Array, page_table_RP: jax.Array, pos_T: jax.Array,

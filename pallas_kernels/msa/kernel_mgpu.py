@@ -10,9 +10,11 @@ One program per (query block of 2 x 64 / index heads tokens, range of `bp` pages
 tokens w * 64 / G .. of the block, whose G index heads each are its 64 wgmma rows; consecutive tokens' rows are
 consecutive rows of iq viewed [T * G, hdi], so one TMA copy loads them (iq is padded by one block of tokens so
 that a block at the end never reads past it). Each step is one page: S = q k^T [64, page_size], masked by each
-row's own position on pages not every row sees whole, max-reduced per row into column j of a [64, bp] register
-tile, which goes out through shared memory: one copy when all of the warpgroup's tokens belong to the block,
-else one per token (rows past the block belong to another program).
+row's own position on pages not every row sees whole, max-reduced per row into column j of a register tile as
+wide as a page's scores (so the maxima broadcast back in the scores' own layout). Its first `bp` columns go out
+through shared memory in one copy to the program's own rows of a block-major output [query blocks x rows, P'];
+XLA gathers each token's rows back (a warpgroup's rows past the block's end would be another program's tokens).
+The kernel runs under Mosaic GPU's Lane semantics: Warpgroup-semantics layout inference finds no layouts for it.
 
 Interpret mode: `plgpu.InterpretGPUParams` (jax's GPU interpreter).
 """

@@ -506,20 +506,10 @@ def _grouped_gemms(h_TD: jax.Array, lay: RowLayout, experts: dict, tiles: MoeTil
         S = layout.num_slots(experts)
         experts = {k: v.reshape(-1, *v.shape[2:]) if k != layout.WIDE_SCALES else v for k, v in experts.items()}
         lay = dataclasses.replace(lay, slot_B=jnp.where(lay.slot_B >= 0, lay.slot_B + layer * S, -1))
-    if tiles.backend == "mosaic" and tiles.mx_widen == "swap" and layout.weight_format(experts) == "mxfp8":
-        group = min(tiles.group, lay.slot_B.shape[0])
-        actT_FM = kernel_mgpu.gate_up_swapped(h_TD, lay.row_token_M, lay.slot_B, lay.rows_B, experts, tiles.gu,
-                                              group=group, alpha=alpha, limit=limit, interpret=interpret)
-        yT_DM = kernel_mgpu.down_swapped(actT_FM, lay.slot_B, lay.rows_B, experts, tiles.dn, group=group,
-                                         interpret=interpret)
-        return combine(yT_DM.T, lay.dest_TJ, lay.w_TJ, valid_TJ)
     if tiles.backend == "mosaic":
-        group = min(tiles.group, lay.slot_B.shape[0])
-        widen = "each" if tiles.mx_widen == "swap" else tiles.mx_widen  # bf16 experts: nothing is widened
-        act_MF = kernel_mgpu.gate_up(h_TD, lay.row_token_M, lay.slot_B, lay.rows_B, experts, tiles.gu, group=group,
-                                     alpha=alpha, limit=limit, interpret=interpret, widen=widen)
-        y_MD = kernel_mgpu.down(act_MF, lay.slot_B, lay.rows_B, experts, tiles.dn, group=group,
-                                interpret=interpret, widen=widen)
+        y_MD = kernel_mgpu.grouped_gemms(h_TD, lay.row_token_M, lay.slot_B, lay.rows_B, experts, tiles,
+                                         group=min(tiles.group, lay.slot_B.shape[0]), alpha=alpha, limit=limit,
+                                         interpret=interpret)
         return combine(y_MD, lay.dest_TJ, lay.w_TJ, valid_TJ)
     act_MF = gate_up(h_TD, lay.row_token_M, lay.slot_B, lay.rows_B, experts, tiles, alpha=alpha, limit=limit,
                      interpret=interpret)

@@ -39,7 +39,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import mx
 from pallas_kernels.moe import layout
 from pallas_kernels.moe.reference import swiglu_oai
-from pallas_kernels.moe.tiles import KernelTiles, block_and_tile
+from pallas_kernels.moe.tiles import KernelTiles, MoeTiles, block_and_tile
 
 WG_ROWS = 64  # rows of one compute warpgroup's wgmma (the instruction's M)
 BM = 2 * WG_ROWS  # row block height: the two compute warpgroups
@@ -106,6 +106,25 @@ def _widen_mxfp8_transposed(words_smem, scales_smem) -> tuple[jax.Array, jax.Arr
     return tuple(_dequantised(words, half, _block_scale(scale_words, 2 * half, shape, 0),
                               _block_scale(scale_words, 2 * half + 1, shape, 0), first_block)
                  for half in range(2))
+
+
+def _store_epilogue(y, out_smem, wg, dst, count: int, keep=None) -> None:
+    """A compute warpgroup's epilogue tile `y` out through its two shared-memory buffers, EPI_COLS columns a
+    copy: chunk c goes to `dst(c)` (a gmem ref slice), and only where `keep(c)` (a traced predicate) holds."""
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    for c in range(count):
+        def store(c: int = c) -> None:
+            buf = out_smem.at[wg, c % 2]
+            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+            buf[...] = y[:, c * EPI_COLS:(c + 1) * EPI_COLS]
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(buf, dst(c))
+
+        pred = None if keep is None else keep(c)
+        if pred is None:
+            store()
+        else:
+            pl.when(pred)(store)
 
 
 def _grouped_gemm(a_MK: jax.Array, mats: tuple[tuple[jax.Array, ...], ...], slot_B: jax.Array, rows_B: jax.Array,
@@ -232,14 +251,9 @@ def _grouped_gemm(a_MK: jax.Array, mats: tuple[tuple[jax.Array, ...], ...], slot
                         @pl.when(active)
                         def _():
                             y = epilogue([acc[...] for acc in accs]).astype(dt)
-                            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                            for c in range(out_cols // EPI_COLS):
-                                buf = out_smem.at[wg, c % 2]
-                                plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-                                buf[...] = y[:, c * EPI_COLS:(c + 1) * EPI_COLS]
-                                plgpu.commit_smem()
-                                plgpu.copy_smem_to_gmem(buf, o_ref.at[pl.ds(row0, WG_ROWS),
-                                                                      pl.ds(j * out_cols + c * EPI_COLS, EPI_COLS)])
+                            _store_epilogue(y, out_smem, wg, lambda c: o_ref.at[
+                                pl.ds(row0, WG_ROWS), pl.ds(j * out_cols + c * EPI_COLS, EPI_COLS)],
+                                out_cols // EPI_COLS)
 
                     return None
 
@@ -352,18 +366,10 @@ def _grouped_gemm_swapped(b_src: jax.Array, mats: tuple[tuple[jax.Array, jax.Arr
                     def _accs(accs):
                         run(accs)
                         y = epilogue([acc[...] for acc in accs]).astype(dt)  # [64 columns, BM rows]
-                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                        def store(c: int) -> None:
-                            buf = out_smem.at[wg, c % 2]
-                            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-                            buf[...] = y[:, c * EPI_COLS:(c + 1) * EPI_COLS]
-                            plgpu.commit_smem()
-                            plgpu.copy_smem_to_gmem(buf, o_ref.at[pl.ds(j * bn + wg * WG_ROWS, WG_ROWS),
-                                                                  pl.ds(b * BM + c * EPI_COLS, EPI_COLS)])
-
-                        store(0)
-                        for c in range(1, BM // EPI_COLS):  # the rows past 64 hold pairs only in a full block
-                            pl.when(full)(functools.partial(store, c))
+                        # The rows past 64 hold pairs only in a full block.
+                        _store_epilogue(y, out_smem, wg, lambda c: o_ref.at[
+                            pl.ds(j * bn + wg * WG_ROWS, WG_ROWS), pl.ds(b * BM + c * EPI_COLS, EPI_COLS)],
+                            BM // EPI_COLS, keep=lambda c: full if c else None)
 
                     return None
 
@@ -410,6 +416,21 @@ def down(act_MF: jax.Array, slot_B: jax.Array, rows_B: jax.Array, experts: dict,
     fmt, mats = _mats(experts, ("down",))
     return _grouped_gemm(act_MF, mats, slot_B, rows_B, fmt=fmt, kt=kt, group=group, epilogue=lambda vals: vals[0],
                          out_cols=kt.bn, name=f"moe_down_{fmt}_mgpu", interpret=interpret, widen=widen)
+
+
+def grouped_gemms(h_TD: jax.Array, row_token_M: jax.Array, slot_B: jax.Array, rows_B: jax.Array, experts: dict,
+                  tiles: MoeTiles, *, group: int, alpha: float, limit: float, interpret: bool = False) -> jax.Array:
+    """y [M, D] = down(swiglu(gate_up(x))) over the sorted rows, as `kernel`'s two Triton kernels compute it:
+    the swapped kernels for MXFP8 experts under `tiles.mx_widen == "swap"` (their y^T transposed back once),
+    else `gate_up` / `down` (bf16 experts have nothing to widen: "swap" means "each" for them)."""
+    if tiles.mx_widen == "swap" and layout.weight_format(experts) == "mxfp8":
+        actT_FM = gate_up_swapped(h_TD, row_token_M, slot_B, rows_B, experts, tiles.gu, group=group, alpha=alpha,
+                                  limit=limit, interpret=interpret)
+        return down_swapped(actT_FM, slot_B, rows_B, experts, tiles.dn, group=group, interpret=interpret).T
+    widen = "each" if tiles.mx_widen == "swap" else tiles.mx_widen
+    act_MF = gate_up(h_TD, row_token_M, slot_B, rows_B, experts, tiles.gu, group=group, alpha=alpha, limit=limit,
+                     interpret=interpret, widen=widen)
+    return down(act_MF, slot_B, rows_B, experts, tiles.dn, group=group, interpret=interpret, widen=widen)
 
 
 def gate_up_swapped(h_TD: jax.Array, row_token_M: jax.Array, slot_B: jax.Array, rows_B: jax.Array, experts: dict,

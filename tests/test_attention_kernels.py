@@ -415,8 +415,7 @@ def test_mosaic_block_scores_equal_triton_kernel(stages):
                                    tiles=IndexTiles(bt=16, bp=32), interpret=True)
     from pallas_kernels.msa import kernel_mgpu
 
-    qbs = query_blocks(tr, pos, bt=kernel_mgpu.tokens_per_block(4), num_rows=pt.shape[0])
-    got = kernel_mgpu.block_scores(iq, ik, pt, pos, qbs, bp=32, stages=stages, interpret=True)
+    got = kernel_mgpu.block_scores(iq, ik, pt, tr, pos, bp=32, stages=stages, interpret=True)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     kw = dict(topk=4, local_blocks=1)
     ids = msa_kernel.paged_select_blocks(iq, ik, pt, tr, pos, tiles=IndexTiles(bt=16, bp=32, num_stages=stages,

@@ -206,14 +206,12 @@ def test_mosaic_dense_attention_lowers(key_tile, stages):
 def test_mosaic_block_scores_lower(bp, stages):
     """The Mosaic GPU index scoring (msa/kernel_mgpu.py) through jax's Mosaic GPU lowering for an 8k prefill
     chunk at M3's index shapes, its shared memory included."""
-    from pallas_kernels.attention.ragged import query_blocks
     from pallas_kernels.msa import kernel_mgpu
 
     G = CFG.index_num_heads
 
     def fn(iq, ik, pt, tr, pos):
-        qbs = query_blocks(tr, pos, bt=kernel_mgpu.tokens_per_block(G), num_rows=pt.shape[0])
-        return kernel_mgpu.block_scores(iq, ik, pt, pos, qbs, bp=bp, stages=stages)
+        return kernel_mgpu.block_scores(iq, ik, pt, tr, pos, bp=bp, stages=stages)
 
     T, R, P = 8192, 4, 80
     text = lower_for_gpu(fn, _sds((T, G, DI), jnp.bfloat16), _sds((NUM_PAGES, PS, DI), jnp.bfloat16),

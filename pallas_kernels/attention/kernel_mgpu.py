@@ -31,7 +31,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.attention.ragged import QueryBlocks, query_blocks
+from pallas_kernels.attention.ragged import query_blocks
 
 WG_ROWS = 64  # rows of one compute warpgroup's wgmma: tokens x heads of its share of the query block
 M_INIT = -1e30  # finite running-max start (see kernel.M_INIT)
@@ -210,7 +210,7 @@ def _kernel(start_ref, length_ref, row_ref, max_pos_ref, page_table_ref, pos_ref
 
 def paged_dense_attention(q_THD: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table_RP: jax.Array,
                           token_row_T: jax.Array, pos_T: jax.Array, scale: float, *, key_tile: int, stages: int,
-                          interpret: bool = False, qbs: QueryBlocks | None = None) -> jax.Array:
+                          interpret: bool = False) -> jax.Array:
     """`kernel.paged_dense_attention` (KVPages' [pages, page_size, K, hd] pools) on Mosaic GPU; bf16 or f16."""
     T, H, D = q_THD.shape
     _, ps, K, _ = k_pages.shape
@@ -220,8 +220,7 @@ def paged_dense_attention(q_THD: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
         raise ValueError(f"the Mosaic GPU dense attention takes heads per group dividing 64 in multiples of 8, "
                          f"head_dim and key tiles in multiples of 64, 2+ stages: got hg={hg}, hd={D}, "
                          f"page={ps}, key tile={kt}, stages={stages}")
-    if qbs is None:
-        qbs = query_blocks(token_row_T, pos_T, bt=tokens_per_block(hg), num_rows=page_table_RP.shape[0])
+    qbs = query_blocks(token_row_T, pos_T, bt=tokens_per_block(hg), num_rows=page_table_RP.shape[0])
     dt = q_THD.dtype
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))  # 64 bf16 = one 128-byte swizzle
     scratch = [plgpu.SMEM((2, WG_ROWS, D), dt, transforms=tiled),

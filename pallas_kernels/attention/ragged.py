@@ -29,6 +29,7 @@ class QueryBlocks:
     length_Q: jax.Array  # [Q] int32 tokens in the block (0: unused program)
     row_Q: jax.Array  # [Q] int32 request row (page-table row)
     max_pos_Q: jax.Array  # [Q] int32 largest position in the block: bounds the pages to read
+    block_T: jax.Array  # [T] int32 each token's query block (its offset in it: t - start_Q[block_T[t]])
 
     @property
     def num_blocks(self) -> int:
@@ -72,9 +73,9 @@ def query_blocks(token_row_T: jax.Array, pos_T: jax.Array, *, bt: int, num_rows:
     Q = max_query_blocks(T, num_rows, bt)
     t = jnp.arange(T, dtype=jnp.int32)
     if bt == 1:  # one token per block: no runs to find (and no small scatter kernels on the decode path)
-        return QueryBlocks(t, jnp.ones((T,), jnp.int32), token_row_T.astype(jnp.int32), pos_T.astype(jnp.int32))
+        return QueryBlocks(t, jnp.ones((T,), jnp.int32), token_row_T.astype(jnp.int32), pos_T.astype(jnp.int32), t)
     qb_T, start, length = cut_runs(token_row_T, bt, Q)  # block ids >= Q are dropped (contract)
     max_pos = jnp.zeros((Q,), jnp.int32).at[qb_T].max(pos_T.astype(jnp.int32), mode="drop")
     start = jnp.minimum(start, T - 1)  # unused programs: any in-range start, length 0
     row = token_row_T.astype(jnp.int32)[start]
-    return QueryBlocks(start, length, row, max_pos)
+    return QueryBlocks(start, length, row, max_pos, qb_T)

@@ -239,9 +239,9 @@ def paged_select_blocks(iq_TGD: jax.Array, ik_pages: jax.Array, page_table_RP: j
                         tiles: IndexTiles, interpret: bool = False) -> jax.Array:
     """Kernel version of `msa.reference.paged_select_blocks`: logical block ids [T, G, topk], -1 padded."""
     if tiles.backend == "mosaic":
-        bt = kernel_mgpu.tokens_per_block(iq_TGD.shape[1])
-        qbs = query_blocks(token_row_T, pos_T, bt=bt, num_rows=page_table_RP.shape[0])
-        scores = kernel_mgpu.block_scores(iq_TGD, ik_pages, page_table_RP, pos_T, qbs, bp=tiles.bp,
+        if tiles.topk == "fused":
+            raise ValueError("the Mosaic GPU index scoring has no fused top-k: IndexTiles.topk 'pallas' or 'xla'")
+        scores = kernel_mgpu.block_scores(iq_TGD, ik_pages, page_table_RP, token_row_T, pos_T, bp=tiles.bp,
                                           stages=tiles.num_stages, interpret=interpret)
     else:
         qbs = query_blocks(token_row_T, pos_T, bt=tiles.block_tokens or tiles.bt, num_rows=page_table_RP.shape[0])

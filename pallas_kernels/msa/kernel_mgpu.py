@@ -30,7 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.attention.kernel_mgpu import NO_ROW, WG_ROWS, row_positions, stream_pages
-from pallas_kernels.attention.ragged import QueryBlocks
+from pallas_kernels.attention.ragged import query_blocks
 
 
 def tokens_per_block(index_heads: int) -> int:
@@ -111,9 +111,9 @@ def _kernel(start_ref, length_ref, row_ref, max_pos_ref, page_table_ref, pos_ref
         stream_pages(load, num_steps, stages, (k_used,))
 
 
-def block_scores(iq_TGD: jax.Array, ik_pages: jax.Array, page_table_RP: jax.Array, pos_T: jax.Array,
-                 qbs: QueryBlocks, *, bp: int, stages: int, interpret: bool = False) -> jax.Array:
-    """[T, G, P'] fp32 (P' = bp x splits >= P): `kernel.block_scores`' result. `qbs`: query blocks of
+def block_scores(iq_TGD: jax.Array, ik_pages: jax.Array, page_table_RP: jax.Array, token_row_T: jax.Array,
+                 pos_T: jax.Array, *, bp: int, stages: int, interpret: bool = False) -> jax.Array:
+    """[T, G, P'] fp32 (P' = bp x splits >= P): `kernel.block_scores`' result, over query blocks of
     `tokens_per_block(G)` tokens."""
     T, G, Di = iq_TGD.shape
     ps = ik_pages.shape[1]
@@ -123,6 +123,7 @@ def block_scores(iq_TGD: jax.Array, ik_pages: jax.Array, page_table_RP: jax.Arra
                          f"multiples of 64 (pages up to 256), bp a multiple of 32 up to the page size, 2+ "
                          f"stages: got G={G}, hdi={Di}, page={ps}, bp={bp}, stages={stages}")
     bt = tokens_per_block(G)
+    qbs = query_blocks(token_row_T, pos_T, bt=bt, num_rows=page_table_RP.shape[0])
     num_splits = -(-P // bp)
     # One block of padding tokens: a warpgroup's 64 rows are one copy even at the end of the batch.
     iq = jnp.pad(iq_TGD, ((0, bt), (0, 0), (0, 0))).reshape((T + bt) * G, Di)
@@ -152,7 +153,6 @@ def block_scores(iq_TGD: jax.Array, ik_pages: jax.Array, page_table_RP: jax.Arra
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(qbs.start_Q, qbs.length_Q, qbs.row_Q, qbs.max_pos_Q, page_table_RP.astype(jnp.int32),
       pos_T.astype(jnp.int32), iq, ik_pages)
-    # Token t's rows: row t - start of its query block (the last used block starting at or before t).
+    # Token t's rows: its offset in its query block.
     t = jnp.arange(T, dtype=jnp.int32)
-    qb_T = jnp.searchsorted(jnp.where(qbs.length_Q > 0, qbs.start_Q, T), t, side="right") - 1
-    return out.reshape(Q, bt, G, num_splits * bp)[qb_T, t - qbs.start_Q[qb_T]]
+    return out.reshape(Q, bt, G, num_splits * bp)[qbs.block_T, t - qbs.start_Q[qbs.block_T]]

@@ -459,7 +459,7 @@ def _variants(case: Case, s: Shapes, rec: Recorder, *, small: bool, interpret: b
     close = lambda got, want: {"rel_err_vs_table": _rel_err(got, want)}  # noqa: E731
     ctx = case.context
     plan = [("msa_sparse_attention", _sparse_variants(case.kind, ctx, stiles), sparse_v, sp_sets, base[1], close, 1),
-            ("msa_index_topk", _index_variants(case.kind, ctx, itiles), select_v, sel_sets, base[0], same_ids, 0),
+            ("msa_index_topk", _index_variants(case.kind, ctx, itiles, P), select_v, sel_sets, base[0], same_ids, 0),
             ("dense_attention", _dense_variants(case.kind, ctx, dtiles, P), dense_v, dn_sets, base[2], close, 2)]
     for op, variants, make, sets, want_fn, compare, fi in plan:
         try:
@@ -515,7 +515,7 @@ VARIANTS = "tune"  # "tune": the sets the table was chosen from (and the KV-layo
 #                    chunk's tiles; "none"
 
 
-def _index_variants(kind: str, context: int, base: IndexTiles) -> list[IndexTiles]:
+def _index_variants(kind: str, context: int, base: IndexTiles, pages: int) -> list[IndexTiles]:
     r = dataclasses.replace
     if VARIANTS == "prefill":
         # Prefill scoring reads each index-K page from L2 once per query block: more rows per block (M = bt * 4)
@@ -525,8 +525,11 @@ def _index_variants(kind: str, context: int, base: IndexTiles) -> list[IndexTile
         # (attention-h200-prefill-1/-2/-3.json: bt 32 / 64, the fused top-k and half-page dots, which IndexTiles
         # no longer offers, were all slower than the table's bt 16: 167-305 against 164 us.)
         # (attention-h200-prefill-4/-5.json: 32 pages per program beat 16 and 8; 8 warps and 2 stages were slower.)
-        # The Mosaic GPU scoring (msa/kernel_mgpu.py) first: 32-token query blocks, 32 or 64 pages per program.
-        mosaic = [r(base, backend="mosaic", bp=bp, num_stages=st) for bp, st in ((32, 4), (64, 4), (32, 3))]
+        # The Mosaic GPU scoring (msa/kernel_mgpu.py) first: with its own top-k (every page in one program), then
+        # 32-token query blocks over 32 or 64 pages per program with the top-k as a second launch.
+        every_page = 32 * -(-pages // 32)
+        mosaic = [r(base, backend="mosaic", bp=every_page, num_stages=4, topk="fused"),
+                  *(r(base, backend="mosaic", bp=bp, num_stages=st) for bp, st in ((32, 4), (64, 4), (32, 3)))]
         return [*mosaic, r(base, bp=16), r(base, bp=64)]
     if VARIANTS == "final":
         # The top-k inside the scoring kernel (no second launch) or as a second launch, and longer page streams

@@ -7,6 +7,8 @@ a long single decode, and padding tokens. Shapes are tiny (page 8, head dim 16) 
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -418,8 +420,37 @@ def test_mosaic_block_scores_equal_triton_kernel(stages):
     got = kernel_mgpu.block_scores(iq, ik, pt, tr, pos, bp=32, stages=stages, interpret=True)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     kw = dict(topk=4, local_blocks=1)
+    want_ids = np.asarray(msa_ref.paged_select_blocks(iq, ik, pt, tr, pos, **kw))
     ids = msa_kernel.paged_select_blocks(iq, ik, pt, tr, pos, tiles=IndexTiles(bt=16, bp=32, num_stages=stages,
                                                                                backend="mosaic"),
                                          interpret=True, **kw)
-    np.testing.assert_array_equal(np.asarray(ids), np.asarray(msa_ref.paged_select_blocks(iq, ik, pt, tr, pos,
-                                                                                            **kw)))
+    np.testing.assert_array_equal(np.asarray(ids), want_ids)
+    # The top-k inside the kernel: all 34 pages in one program of 64.
+    fused = IndexTiles(bt=16, bp=64, num_stages=stages, backend="mosaic", topk="fused")
+    ids = msa_kernel.paged_select_blocks(iq, ik, pt, tr, pos, tiles=fused, interpret=True, **kw)
+    np.testing.assert_array_equal(np.asarray(ids), want_ids)
+    with pytest.raises(ValueError, match="34 pages > bp 32"):
+        msa_kernel.paged_select_blocks(iq, ik, pt, tr, pos, tiles=dataclasses.replace(fused, bp=32), **kw)
+
+
+@pytest.mark.parametrize("topk,local,init", [(16, 1, 0), (5, 3, 2), (24, 1, 0), (70, 1, 0)])
+def test_mosaic_fused_topk_ties_forcing_and_short_rows(topk, local, init):
+    """The Mosaic GPU scoring's own top-k against the reference's selection on ties (integer data: many equal
+    block maxima), forced local / initial blocks, and rows with fewer visible blocks than top-k (-1 padded)."""
+    perm = np.random.default_rng(8).permutation(np.arange(1, 64))
+    pages = iter(perm.tolist())
+    take = lambda n: [next(pages) for _ in range(n)]  # noqa: E731
+    rows = [RowPlan([1] * 40, 600, take(11)), RowPlan([1] * 3, 1200, take(20)), RowPlan([1] * 5, 0, take(1))]
+    batch, _ = build_batch(rows, 64, 56, 4, 20)
+    rng = np.random.default_rng(9)
+    iq = jnp.asarray(rng.integers(-1, 2, (batch.num_tokens, 4, 64)), jnp.bfloat16)
+    ik = jnp.asarray(rng.integers(-1, 2, (64, 64, 64)), jnp.bfloat16)
+    pt, tr, pos = batch.page_table, batch.token_row, batch.positions
+    kw = dict(topk=topk, local_blocks=local, init_blocks=init)
+    tiles = IndexTiles(bt=16, bp=32, num_stages=2, backend="mosaic", topk="fused")
+    if topk > 64:
+        with pytest.raises(ValueError, match="top-k 70 > page size 64"):
+            msa_kernel.paged_select_blocks(iq, ik, pt, tr, pos, tiles=tiles, interpret=True, **kw)
+        return
+    ids = msa_kernel.paged_select_blocks(iq, ik, pt, tr, pos, tiles=tiles, interpret=True, **kw)
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(msa_ref.paged_select_blocks(iq, ik, pt, tr, pos, **kw)))

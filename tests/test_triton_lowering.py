@@ -202,16 +202,17 @@ def test_mosaic_dense_attention_lowers(key_tile, stages):
     assert text.count("custom_call @mosaic_gpu") == 1 and count_triton_kernels(text) == 0
 
 
-@pytest.mark.parametrize("bp,stages", [(32, 4), (64, 4)])
-def test_mosaic_block_scores_lower(bp, stages):
+@pytest.mark.parametrize("bp,stages,fused", [(32, 4, False), (64, 4, False), (96, 4, True)])
+def test_mosaic_block_scores_lower(bp, stages, fused):
     """The Mosaic GPU index scoring (msa/kernel_mgpu.py) through jax's Mosaic GPU lowering for an 8k prefill
-    chunk at M3's index shapes, its shared memory included."""
+    chunk at M3's index shapes, its shared memory included; fused: with its top-k (M3's 16 blocks)."""
     from pallas_kernels.msa import kernel_mgpu
 
     G = CFG.index_num_heads
+    select = {"topk": TOPK, "local_blocks": CFG.index_local_blocks, "init_blocks": 0} if fused else None
 
     def fn(iq, ik, pt, tr, pos):
-        return kernel_mgpu.block_scores(iq, ik, pt, tr, pos, bp=bp, stages=stages)
+        return kernel_mgpu.block_scores(iq, ik, pt, tr, pos, bp=bp, stages=stages, select=select)
 
     T, R, P = 8192, 4, 80
     text = lower_for_gpu(fn, _sds((T, G, DI), jnp.bfloat16), _sds((NUM_PAGES, PS, DI), jnp.bfloat16),

@@ -48,7 +48,8 @@ class IndexTiles:
     mask_every_page: bool = False
     # Scoring: "triton" (msa/kernel.py) or "mosaic" (msa/kernel_mgpu.py: warp-specialised, TMA-fed wgmma, for
     # prefill-sized steps; its own query blocks of 2 x 64 / index heads tokens, `bp` pages per program (a
-    # multiple of 32 up to the page size), `num_stages` index-K buffers; the top-k as `topk` says, never fused).
+    # multiple of 32 up to the page size), `num_stages` index-K buffers; the top-k as `topk` says, "fused" only
+    # when one program sees every page of a row: bp >= the page table's width).
     backend: str = "triton"
 
 

@@ -240,18 +240,16 @@ def paged_select_blocks(iq_TGD: jax.Array, ik_pages: jax.Array, page_table_RP: j
                         pos_T: jax.Array, *, topk: int, local_blocks: int, init_blocks: int = 0,
                         tiles: IndexTiles, interpret: bool = False) -> jax.Array:
     """Kernel version of `msa.reference.paged_select_blocks`: logical block ids [T, G, topk], -1 padded."""
+    sel = {"topk": topk, "local_blocks": local_blocks, "init_blocks": init_blocks} if tiles.topk == "fused" else None
     if tiles.backend == "mosaic":
-        if tiles.topk == "fused":
-            raise ValueError("the Mosaic GPU index scoring has no fused top-k: IndexTiles.topk 'pallas' or 'xla'")
         scores = kernel_mgpu.block_scores(iq_TGD, ik_pages, page_table_RP, token_row_T, pos_T, bp=tiles.bp,
-                                          stages=tiles.num_stages, interpret=interpret)
+                                          stages=tiles.num_stages, select=sel, interpret=interpret)
     else:
         qbs = query_blocks(token_row_T, pos_T, bt=tiles.block_tokens or tiles.bt, num_rows=page_table_RP.shape[0])
-        if tiles.topk == "fused":
-            sel = {"topk": topk, "local_blocks": local_blocks, "init_blocks": init_blocks}
-            return block_scores(iq_TGD, ik_pages, page_table_RP, pos_T, qbs, tiles=tiles, select=sel,
-                                interpret=interpret)
-        scores = block_scores(iq_TGD, ik_pages, page_table_RP, pos_T, qbs, tiles=tiles, interpret=interpret)
+        scores = block_scores(iq_TGD, ik_pages, page_table_RP, pos_T, qbs, tiles=tiles, select=sel,
+                              interpret=interpret)
+    if sel is not None:
+        return scores  # the selected ids
     if tiles.topk == "pallas":
         return topk_blocks(scores, pos_T, block_size=ik_pages.shape[1], num_blocks=page_table_RP.shape[1],
                            topk=topk, local_blocks=local_blocks, init_blocks=init_blocks, interpret=interpret)

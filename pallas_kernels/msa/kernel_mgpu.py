@@ -42,13 +42,13 @@ def supports(index_heads: int, index_dim: int, page_size: int, bp: int) -> bool:
             and bp % 32 == 0 and bp <= page_size)
 
 
-def _swizzled_f32(cols: int) -> tuple:
+def _swizzled_32bit(cols: int) -> tuple:
     swizzle = plgpu.find_swizzle(cols * 32)
     return plgpu.TilingTransform((8, swizzle // 4)), plgpu.SwizzleTransform(swizzle)
 
 
 def _kernel(start_ref, length_ref, row_ref, max_pos_ref, page_table_ref, pos_ref, iq_ref, ik_ref, o_ref, scoped,
-            *, G: int, ps: int, bp: int, stages: int, T: int):
+            *, G: int, ps: int, bp: int, stages: int, T: int, select: dict | None):
     (q_smem2, k_smem, out_smem2), (k_loaded, q_loaded), k_used = scoped
     qb, split, wg = lax.axis_index("qb"), lax.axis_index("split"), lax.axis_index("wg")
     P = page_table_ref.shape[1]
@@ -94,10 +94,14 @@ def _kernel(start_ref, length_ref, row_ref, max_pos_ref, page_table_ref, pos_ref
         best = lax.fori_loop(whole, num_steps, functools.partial(step, masked=True), best)
 
         out = out_smem2.at[wg]
-        out[...] = best[:, :bp]
+        if select is None:
+            out[...] = best[:, :bp]
+        else:
+            out[...] = _select(best, col, pos_row, ps=ps, P=P, **select)[:, :out.shape[1]]
         plgpu.commit_smem()
         # The program's own rows of the block-major output (rows of tokens past the block's end are unused).
-        plgpu.copy_smem_to_gmem(out, o_ref.at[pl.ds((qb * 2 + wg) * WG_ROWS, WG_ROWS), pl.ds(b0, bp)])
+        plgpu.copy_smem_to_gmem(out, o_ref.at[pl.ds((qb * 2 + wg) * WG_ROWS, WG_ROWS),
+                                              pl.ds(b0, out.shape[1])])
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == 2)
@@ -111,10 +115,34 @@ def _kernel(start_ref, length_ref, row_ref, max_pos_ref, page_table_ref, pos_ref
         stream_pages(load, num_steps, stages, (k_used,))
 
 
+def _select(s, col, pos_row, *, ps: int, P: int, topk: int, local_blocks: int, init_blocks: int):
+    """In registers, the whole row's block scores [64, ps] (every page in this program) -> block ids, -1 padded
+    (columns past topk unused): `msa.kernel._select_topk`'s forcing and order (largest first, equal scores by
+    the lower block), as rounds of a row max and the lowest column holding it. Page b holds keys b * ps ..
+    (b + 1) * ps - 1, so the page-space tests of the reference read here as key-space tests on the row's position
+    (no division): b <= pos // ps is b * ps <= pos, and b > pos // ps - L is (b + L) * ps > pos."""
+    pos = lax.broadcast_in_dim(pos_row, s.shape, [0])  # -1 for rows past the block's end: nothing forced
+    start = col * ps
+    forced = (start <= pos) & ((start + local_blocks * ps > pos) | (col < init_blocks)) & (col < P)
+    s = jnp.where(forced, jnp.inf, s)
+    # The picks come out largest first, so the first `visible` of them are the visible blocks.
+    visible = lax.broadcast_in_dim(jnp.sum(jnp.where(s > -jnp.inf, 1, 0), axis=1), s.shape, [0])
+    ids = jnp.full(s.shape, -1, jnp.int32)
+    for j in range(min(topk, P)):
+        m = lax.broadcast_in_dim(s.max(axis=1), s.shape, [0])
+        pick = lax.broadcast_in_dim(jnp.min(jnp.where(s == m, col, ps), axis=1), s.shape, [0])
+        ids = jnp.where((col == j) & (visible > j), pick, ids)
+        s = jnp.where(col == pick, -jnp.inf, s)
+    return ids
+
+
 def block_scores(iq_TGD: jax.Array, ik_pages: jax.Array, page_table_RP: jax.Array, token_row_T: jax.Array,
-                 pos_T: jax.Array, *, bp: int, stages: int, interpret: bool = False) -> jax.Array:
+                 pos_T: jax.Array, *, bp: int, stages: int, select: dict | None = None,
+                 interpret: bool = False) -> jax.Array:
     """[T, G, P'] fp32 (P' = bp x splits >= P): `kernel.block_scores`' result, over query blocks of
-    `tokens_per_block(G)` tokens."""
+    `tokens_per_block(G)` tokens. With `select` (`kernel.topk_blocks`' keyword arguments: topk, local_blocks,
+    init_blocks) each program selects too and the result is the block ids [T, G, topk]: one launch, no scores
+    through memory; every page of a row must then be one program's (bp >= the page table's width)."""
     T, G, Di = iq_TGD.shape
     ps = ik_pages.shape[1]
     P = page_table_RP.shape[1]
@@ -122,31 +150,40 @@ def block_scores(iq_TGD: jax.Array, ik_pages: jax.Array, page_table_RP: jax.Arra
         raise ValueError(f"the Mosaic GPU index scoring takes index heads dividing 64, index and page dims in "
                          f"multiples of 64 (pages up to 256), bp a multiple of 32 up to the page size, 2+ "
                          f"stages: got G={G}, hdi={Di}, page={ps}, bp={bp}, stages={stages}")
+    # Selected ids go out 32 columns at a time (one 128-byte swizzled row of int32), from a page-wide tile.
+    width = bp if select is None else 32 * -(-select["topk"] // 32)
+    if select is not None and bp < P:
+        raise ValueError(f"the Mosaic GPU index scoring selects inside the kernel only when one program sees every "
+                         f"page of a row: {P} pages > bp {bp}; raise bp or take the top-k as its own launch")
+    if width > ps:
+        raise ValueError(f"the Mosaic GPU index scoring's own top-k holds at most a page's width of ids: top-k "
+                         f"{select['topk']} > page size {ps}")
     bt = tokens_per_block(G)
     qbs = query_blocks(token_row_T, pos_T, bt=bt, num_rows=page_table_RP.shape[0])
     num_splits = -(-P // bp)
     # One block of padding tokens: a warpgroup's 64 rows are one copy even at the end of the batch.
     iq = jnp.pad(iq_TGD, ((0, bt), (0, 0), (0, 0))).reshape((T + bt) * G, Di)
     dt = iq.dtype
+    out_dtype = jnp.float32 if select is None else jnp.int32
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     scratch = [plgpu.SMEM((2, WG_ROWS, Di), dt, transforms=tiled),
                plgpu.SMEM((stages, ps, Di), dt, transforms=tiled),
-               plgpu.SMEM((2, WG_ROWS, bp), jnp.float32, transforms=_swizzled_f32(bp))]
+               plgpu.SMEM((2, WG_ROWS, width), out_dtype, transforms=_swizzled_32bit(width))]
 
     def entry(*refs):
         pl.run_scoped(
-            lambda *scoped: _kernel(*refs, scoped, G=G, ps=ps, bp=bp, stages=stages, T=T),
+            lambda *scoped: _kernel(*refs, scoped, G=G, ps=ps, bp=bp, stages=stages, T=T, select=select),
             scratch,
             (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=2)),
             plgpu.Barrier(num_arrivals=2, num_barriers=stages),
             collective_axes="wg",
         )
 
-    entry.__name__ = entry.__qualname__ = "msa_block_scores_mgpu"
+    entry.__name__ = entry.__qualname__ = "msa_block_scores_mgpu" + ("_topk" if select else "")
     Q = qbs.num_blocks
     out = plgpu.kernel(
         entry,
-        out_type=jax.ShapeDtypeStruct((Q * bt * G, num_splits * bp), jnp.float32),
+        out_type=jax.ShapeDtypeStruct((Q * bt * G, num_splits * width), out_dtype),
         grid=(qbs.num_blocks, num_splits), grid_names=("qb", "split"),
         num_threads=3, thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
@@ -155,4 +192,5 @@ def block_scores(iq_TGD: jax.Array, ik_pages: jax.Array, page_table_RP: jax.Arra
       pos_T.astype(jnp.int32), iq, ik_pages)
     # Token t's rows: its offset in its query block.
     t = jnp.arange(T, dtype=jnp.int32)
-    return out.reshape(Q, bt, G, num_splits * bp)[qbs.block_T, t - qbs.start_Q[qbs.block_T]]
+    out = out.reshape(Q, bt, G, num_splits * width)[qbs.block_T, t - qbs.start_Q[qbs.block_T]]
+    return out if select is None else out[..., :select["topk"]]

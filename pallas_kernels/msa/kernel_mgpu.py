@@ -14,6 +14,8 @@ row's own position on pages not every row sees whole, max-reduced per row into c
 wide as a page's scores (so the maxima broadcast back in the scores' own layout). Its first `bp` columns go out
 through shared memory in one copy to the program's own rows of a block-major output [query blocks x rows, P'];
 XLA gathers each token's rows back (a warpgroup's rows past the block's end would be another program's tokens).
+With the top-k fused (every page of a row in one program), each compute warpgroup selects from that register tile
+itself, rounds of a row max and the lowest column holding it, and only the block ids go out (32 int32 columns).
 The kernel runs under Mosaic GPU's Lane semantics: Warpgroup-semantics layout inference finds no layouts for it.
 
 Interpret mode: `plgpu.InterpretGPUParams` (jax's GPU interpreter).

@@ -99,7 +99,7 @@ def _kernel(start_ref, length_ref, row_ref, max_pos_ref, page_table_ref, pos_ref
         if select is None:
             out[...] = best[:, :bp]
         else:
-            out[...] = _select(best, col, pos_row, ps=ps, P=P, **select)[:, :out.shape[1]]
+            out[...] = _select(best, col, pos_row, width=out.shape[1], ps=ps, P=P, **select)
         plgpu.commit_smem()
         # The program's own rows of the block-major output (rows of tokens past the block's end are unused).
         plgpu.copy_smem_to_gmem(out, o_ref.at[pl.ds((qb * 2 + wg) * WG_ROWS, WG_ROWS),
@@ -117,24 +117,28 @@ def _kernel(start_ref, length_ref, row_ref, max_pos_ref, page_table_ref, pos_ref
         stream_pages(load, num_steps, stages, (k_used,))
 
 
-def _select(s, col, pos_row, *, ps: int, P: int, topk: int, local_blocks: int, init_blocks: int):
-    """In registers, the whole row's block scores [64, ps] (every page in this program) -> block ids, -1 padded
-    (columns past topk unused): `msa.kernel._select_topk`'s forcing and order (largest first, equal scores by
-    the lower block), as rounds of a row max and the lowest column holding it. Page b holds keys b * ps ..
-    (b + 1) * ps - 1, so the page-space tests of the reference read here as key-space tests on the row's position
-    (no division): b <= pos // ps is b * ps <= pos, and b > pos // ps - L is (b + L) * ps > pos."""
-    pos = lax.broadcast_in_dim(pos_row, s.shape, [0])  # -1 for rows past the block's end: nothing forced
+def _select(s, col, pos_row, *, width: int, ps: int, P: int, topk: int, local_blocks: int, init_blocks: int):
+    """In registers, the whole row's block scores [64, ps] (every page in this program) -> block ids [64, width],
+    -1 padded (columns past topk unused): `msa.kernel._select_topk`'s forcing and order (largest first, equal
+    scores by the lower block), as rounds of a row max and the lowest column holding it. Page b holds keys
+    b * ps .. (b + 1) * ps - 1, so the page-space tests of the reference read here as key-space tests on the row's
+    position (no division): b <= pos // ps is b * ps <= pos, and b > pos // ps - L is (b + L) * ps > pos."""
+    def rows(v, cols: int):  # a per-row vector broadcast across `cols` columns
+        return lax.broadcast_in_dim(v, (WG_ROWS, cols), [0])
+
+    pos = rows(pos_row, ps)  # -1 for rows past the block's end: nothing forced
     start = col * ps
     forced = (start <= pos) & ((start + local_blocks * ps > pos) | (col < init_blocks)) & (col < P)
     s = jnp.where(forced, jnp.inf, s)
     # The picks come out largest first, so the first `visible` of them are the visible blocks.
-    visible = lax.broadcast_in_dim(jnp.sum(jnp.where(s > -jnp.inf, 1, 0), axis=1), s.shape, [0])
-    ids = jnp.full(s.shape, -1, jnp.int32)
+    visible = rows(jnp.sum(jnp.where(s > -jnp.inf, 1, 0), axis=1), width)
+    # The ids' own narrow tile (not page-wide): fewer registers live beside the scores through the rounds.
+    out_col = plgpu.broadcasted_iota(jnp.int32, (WG_ROWS, width), 1, layout=plgpu.Layout.WGMMA)
+    ids = plgpu.layout_cast(jnp.full((WG_ROWS, width), -1, jnp.int32), plgpu.Layout.WGMMA)
     for j in range(min(topk, P)):
-        m = lax.broadcast_in_dim(s.max(axis=1), s.shape, [0])
-        pick = lax.broadcast_in_dim(jnp.min(jnp.where(s == m, col, ps), axis=1), s.shape, [0])
-        ids = jnp.where((col == j) & (visible > j), pick, ids)
-        s = jnp.where(col == pick, -jnp.inf, s)
+        pick = jnp.min(jnp.where(s == rows(s.max(axis=1), ps), col, ps), axis=1)
+        ids = jnp.where((out_col == j) & (visible > j), rows(pick, width), ids)
+        s = jnp.where(col == rows(pick, ps), -jnp.inf, s)
     return ids
 
 

@@ -92,7 +92,9 @@ def stream_pages(load, num_steps: jax.Array, stages: int, used: tuple) -> None:
 def _kernel(start_ref, length_ref, row_ref, max_pos_ref, page_table_ref, pos_ref, q_ref, k_ref, v_ref, o_ref,
             scoped, *, hg: int, ps: int, kt: int, stages: int, scale: float, interpret: bool):
     (qo_smem2, k_smem, v_smem, p_smem2), (k_loaded, v_loaded, q_loaded), (k_used, v_used), turn = scoped
-    qb, g, wg = lax.axis_index("qb"), lax.axis_index("g"), lax.axis_index("wg")
+    # Query blocks in reverse: a causal prefill's last blocks read the most pages, so they start first and the
+    # short early ones fill the tail of the grid (FA3's order for causal attention).
+    qb, g, wg = start_ref.shape[0] - 1 - lax.axis_index("qb"), lax.axis_index("g"), lax.axis_index("wg")
     T = q_ref.shape[0]
     P = page_table_ref.shape[1]
     D = q_ref.shape[-1]

@@ -52,7 +52,8 @@ def _swizzled_32bit(cols: int) -> tuple:
 def _kernel(start_ref, length_ref, row_ref, max_pos_ref, page_table_ref, pos_ref, iq_ref, ik_ref, o_ref, scoped,
             *, G: int, ps: int, bp: int, stages: int, T: int, select: dict | None):
     (q_smem2, k_smem, out_smem2), (k_loaded, q_loaded), k_used = scoped
-    qb, split, wg = lax.axis_index("qb"), lax.axis_index("split"), lax.axis_index("wg")
+    # Query blocks in reverse: the last ones see the most pages (causal), so they start first.
+    qb, split, wg = start_ref.shape[0] - 1 - lax.axis_index("qb"), lax.axis_index("split"), lax.axis_index("wg")
     P = page_table_ref.shape[1]
     t0, n, row = start_ref[qb], length_ref[qb], row_ref[qb]
     b0 = split * bp

@@ -10,6 +10,9 @@
 #             sparse prefill, dense single-tile) against their jnp references, 8k decode and prefill
 #   lincheck  the linear kernel's batch-invariant rows bitwise across M, split spread vs in-program, other tiles
 #   moeinv    the MoE kernels' rows bitwise across tile sets and token counts (what the invariant tiles rely on)
+#   mosaiccheck  the Mosaic GPU kernels (dense attention, index scoring with and without its fused top-k, MoE
+#             bf16 and MXFP8 each / split / swap) against the Triton kernels and the references, each case in a
+#             process of its own under CHECK_TIMEOUT seconds (a hang loses one case): check_mosaic.py
 #   attnpre   the 8k prefill chunk's attention ops with their prefill variants, the Mosaic GPU dense attention
 #             and index scoring first (checked against the Triton kernels' outputs; issue 28)
 #   closing   issue 28's closing run: the 8k prefill attention ops (random and 256-token-drift selections) and
@@ -83,6 +86,10 @@ for what in "$@"; do
     moeinv)
       timeout "${MOEINV_TIMEOUT:-150}" python3 benchmarks/check_moe_invariance.py \
         --out "$OUT/moe-invariance-${GPU_NAME:-h200}.json"
+      ;;
+    mosaiccheck)
+      python3 benchmarks/check_mosaic.py --timeout-s "${CHECK_TIMEOUT:-120}" \
+        --out "$OUT/mosaic-check-${GPU_NAME:-h200}.json"
       ;;
     attnpre)
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.94 timeout "${ATTNPRE_TIMEOUT:-300}" python3 benchmarks/bench_attention.py \

@@ -249,7 +249,7 @@ def paged_select_blocks(iq_TGD: jax.Array, ik_pages: jax.Array, page_table_RP: j
         scores = block_scores(iq_TGD, ik_pages, page_table_RP, pos_T, qbs, tiles=tiles, select=sel,
                               interpret=interpret)
     if sel is not None:
-        return scores  # the selected ids
+        return scores  # given `select`, either scoring kernel returned the selected ids instead
     if tiles.topk == "pallas":
         return topk_blocks(scores, pos_T, block_size=ik_pages.shape[1], num_blocks=page_table_RP.shape[1],
                            topk=topk, local_blocks=local_blocks, init_blocks=init_blocks, interpret=interpret)

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.devicewarm import gpu_state, warm_up_device
-from benchmarks.timing import IN_GRAPH_COPIES, device_profile, fresh_like, in_graph_time
+from benchmarks.timing import IN_GRAPH_COPIES, device_profile, fresh_like, in_graph_time, rel_err
 from pallas_kernels.attention import dispatch, tuning
 from pallas_kernels.attention import kernel as attn_kernel
 from pallas_kernels.attention import reference as attn_ref
@@ -271,11 +271,6 @@ def _selection_overlap(blocks_TGN: np.ndarray, span: int = 4) -> dict[str, float
             "selected_blocks": float((b >= 0).sum(1).mean()), "union_page_ratio": ratio}
 
 
-def _rel_err(got: jax.Array, want: jax.Array) -> float:
-    g, w = np.asarray(got, np.float32), np.asarray(want, np.float32)
-    return float(np.linalg.norm(g - w) / max(np.linalg.norm(w), 1e-30))
-
-
 def _selected_keys(blocks_TGN: np.ndarray, pos_T: np.ndarray, ps: int) -> np.ndarray:
     """[T, G] causal keys inside each (token, group)'s selected blocks (top-k ids are distinct)."""
     b = blocks_TGN.astype(np.int64)
@@ -378,7 +373,7 @@ def bench_case(case: Case, s: Shapes, rec: Recorder, *, small: bool, interpret: 
                for st, b in zip(case.sets, blocks_sets, strict=True)]
     check = {}
     if with_reference:
-        guarded(check, "rel_err", lambda: _rel_err(sp(*sp_sets[0]), sp_ref(*sp_sets[0])))
+        guarded(check, "rel_err", lambda: rel_err(sp(*sp_sets[0]), sp_ref(*sp_sets[0])))
     elif case.kind == "prefill":
         guarded(check, "prefill_token_subset", lambda: _prefill_subset_check_attn(case, sp, sp_ref, blocks_sets[0]))
     keys_TG = _selected_keys(np.asarray(blocks_sets[0]), pos_np, s.ps)
@@ -404,7 +399,7 @@ def bench_case(case: Case, s: Shapes, rec: Recorder, *, small: bool, interpret: 
     dn_sets = [x[:6] for x in sp_sets]
     check = {}
     if with_reference:
-        guarded(check, "rel_err", lambda: _rel_err(dn(*dn_sets[0]), dn_ref(*dn_sets[0])))
+        guarded(check, "rel_err", lambda: rel_err(dn(*dn_sets[0]), dn_ref(*dn_sets[0])))
     elif case.kind == "prefill":
         guarded(check, "prefill_token_subset", lambda: _prefill_subset_check_dense(case, dn, dn_ref))
     dn_bytes = R * case.context * s.K * s.D * 2 * itemsize + 2 * T * s.H * s.D * itemsize
@@ -456,7 +451,7 @@ def _variants(case: Case, s: Shapes, rec: Recorder, *, small: bool, interpret: b
             q, k, vv, pt, tr, pos, scale, tiles=v, interpret=interpret))
 
     same_ids = lambda got, want: {"same_as_table": bool((np.asarray(got) == np.asarray(want)).all())}  # noqa: E731
-    close = lambda got, want: {"rel_err_vs_table": _rel_err(got, want)}  # noqa: E731
+    close = lambda got, want: {"rel_err_vs_table": rel_err(got, want)}  # noqa: E731
     ctx = case.context
     plan = [("msa_sparse_attention", _sparse_variants(case.kind, ctx, stiles), sparse_v, sp_sets, base[1], close, 1),
             ("msa_index_topk", _index_variants(case.kind, ctx, itiles, P), select_v, sel_sets, base[0], same_ids, 0),
@@ -498,7 +493,7 @@ def _layout_experiment(case: Case, rec: Recorder, shape: dict[str, Any], sp_sets
         q, k, v, pt, tr, pos, b, scale=scale, tiles=tiles, interpret=interpret, heads_major=True))
     sets = [(a[0], k_hm, v_hm, *a[3:]) for a in sp_sets]
     check: dict[str, Any] = {}
-    guarded(check, "rel_err_vs_table", lambda: _rel_err(f(*sets[0]), want_fn()))
+    guarded(check, "rel_err_vs_table", lambda: rel_err(f(*sets[0]), want_fn()))
     t, err = kernel_time(f, sets, small)
     rec.add(op="msa_sparse_attention", case=case.name, variant=f"{_fmt(tiles)} layout=[pages,K,ps,hd]",
             shape=shape, time_s=t, floor_s=s_floor, ratio=_ratio(t, s_floor), reference_time_s=None, check=check,
@@ -625,7 +620,7 @@ def _prefill_subset_check_attn(case: Case, sp, sp_ref, blocks) -> dict[str, Any]
                         blocks), np.float32)[sub]
     want = sp_ref(st["q"][sub], case.k_pages, case.v_pages, st["page_table"], st["token_row"][sub], st["pos"][sub],
                   blocks[sub])
-    return {"rel_err_token_subset": _rel_err(got, want), "subset_tokens": len(sub)}
+    return {"rel_err_token_subset": rel_err(got, want), "subset_tokens": len(sub)}
 
 
 def _prefill_subset_check_dense(case: Case, dn, dn_ref) -> dict[str, Any]:
@@ -634,7 +629,7 @@ def _prefill_subset_check_dense(case: Case, dn, dn_ref) -> dict[str, Any]:
     got = np.asarray(dn(st["q"], case.k_pages, case.v_pages, st["page_table"], st["token_row"], st["pos"]),
                      np.float32)[sub]
     want = dn_ref(st["q"][sub], case.k_pages, case.v_pages, st["page_table"], st["token_row"][sub], st["pos"][sub])
-    return {"rel_err_token_subset": _rel_err(got, want), "subset_tokens": len(sub)}
+    return {"rel_err_token_subset": rel_err(got, want), "subset_tokens": len(sub)}
 
 
 KV_WRITES_PER_CALL = 32

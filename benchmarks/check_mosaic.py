@@ -38,13 +38,6 @@ S = SHAPES["full"]
 INTERPRET = False
 
 
-def _rel(got: Any, want: Any) -> float:
-    import numpy as np
-
-    g, w = np.asarray(got, np.float32), np.asarray(want, np.float32)
-    return float(np.linalg.norm(g - w) / max(np.linalg.norm(w), 1e-30))
-
-
 def _attention_batch():
     import numpy as np
 
@@ -63,6 +56,7 @@ def case_dense() -> dict:
     import jax
     import jax.numpy as jnp
 
+    from benchmarks.timing import rel_err
     from pallas_kernels.attention import kernel as attn_kernel
     from pallas_kernels.attention import reference as attn_ref
     from pallas_kernels.attention import tuning
@@ -82,12 +76,12 @@ def case_dense() -> dict:
     triton_tiles = tuning.dense_tiles(batch.num_tokens, batch.page_table.shape[0], batch.page_table.shape[1], K,
                                       H // K)
     tri = attend(triton_tiles)
-    out: dict[str, Any] = {"triton_tiles": str(triton_tiles), "triton_rel_err_vs_reference": _rel(tri, want)}
+    out: dict[str, Any] = {"triton_tiles": str(triton_tiles), "triton_rel_err_vs_reference": rel_err(tri, want)}
     for key_tile, stages in ((64, 3), (128, 2)):
         got = attend(tuning.AttentionTiles(bt=8, pages_per_split=64, key_tile=key_tile, num_stages=stages,
                                            backend="mosaic"))
-        out[f"mosaic_kt{key_tile}_s{stages}"] = {"rel_err_vs_reference": _rel(got, want),
-                                                 "rel_err_vs_triton": _rel(got, tri)}
+        out[f"mosaic_kt{key_tile}_s{stages}"] = {"rel_err_vs_reference": rel_err(got, want),
+                                                 "rel_err_vs_triton": rel_err(got, tri)}
     worst = max(v["rel_err_vs_reference"] for k, v in out.items() if k.startswith("mosaic"))
     return {**out, "ok": worst < 8e-3}  # bf16 P and output (the CPU test's bound is 4e-3 on a smaller batch)
 
@@ -143,6 +137,7 @@ def case_moe(fmt: str, widen: str | None) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
+    from benchmarks.timing import rel_err
     from checkpoints.prepare import prepare_moe
     from pallas_kernels.moe import kernel, layout, reference
     from pallas_kernels.moe.tiles import KernelTiles, MoeTiles, pick_tiles
@@ -172,8 +167,8 @@ def case_moe(fmt: str, widen: str | None) -> dict:
     run = jax.jit(lambda h, p, t: kernel.moe_pallas(h, p, tiles=t, interpret=INTERPRET, **kw), static_argnums=2)
     got, tri = run(h, p, mosaic).astype(jnp.float32), run(h, p, triton).astype(jnp.float32)
     want = reference.moe(h, layout.reference_params(p, jnp.bfloat16), **kw).astype(jnp.float32)
-    out = {"mosaic_tiles": str(mosaic), "triton_tiles": str(triton), "rel_err_vs_triton": _rel(got, tri),
-           "rel_err_vs_reference": _rel(got, want), "triton_rel_err_vs_reference": _rel(tri, want),
+    out = {"mosaic_tiles": str(mosaic), "triton_tiles": str(triton), "rel_err_vs_triton": rel_err(got, tri),
+           "rel_err_vs_reference": rel_err(got, want), "triton_rel_err_vs_reference": rel_err(tri, want),
            "finite": bool(np.isfinite(np.asarray(got)).all())}
     return {**out, "ok": out["finite"] and out["rel_err_vs_triton"] < 2e-3 and out["rel_err_vs_reference"] < 2e-2}
 

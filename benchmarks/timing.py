@@ -180,6 +180,14 @@ def device_timeline(fn: Callable[..., Any], *, calls: int = 3, gaps: int = 12,
                                     for k, us in costliest]}
 
 
+def rel_err(got: Any, want: Any) -> float:
+    """||got - want|| / ||want|| in fp32 on the host: a kernel's output against its reference."""
+    import numpy as np
+
+    g, w = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    return float(np.linalg.norm(g - w) / max(np.linalg.norm(w), 1e-30))
+
+
 def git_rev() -> str:
     """The revision results record: M3JAX_GIT_REV (set on the GPU machine, which has no .git), else git's short
     hash with -dirty for uncommitted changes."""

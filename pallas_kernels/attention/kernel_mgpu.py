@@ -48,6 +48,17 @@ def tokens_per_block(heads_per_group: int) -> int:
     return 2 * (WG_ROWS // heads_per_group)
 
 
+def heaviest_first(num_blocks: int) -> jax.Array:
+    """In-kernel, this program's query block, the grid's "qb" axis in reverse: a causal prefill's last blocks read
+    the most pages, so they start first and the short early ones fill the grid's tail (FA3's causal order)."""
+    return num_blocks - 1 - lax.axis_index("qb")
+
+
+def per_row(v: jax.Array, cols: int) -> jax.Array:
+    """A per-row vector (wgmma's row layout, e.g. a row reduction) broadcast across `cols` columns."""
+    return lax.broadcast_in_dim(v, (WG_ROWS, cols), [0])
+
+
 NO_ROW = jnp.iinfo(jnp.int32).max  # row_positions' smallest position when the warpgroup has no token
 
 
@@ -92,9 +103,7 @@ def stream_pages(load, num_steps: jax.Array, stages: int, used: tuple) -> None:
 def _kernel(start_ref, length_ref, row_ref, max_pos_ref, page_table_ref, pos_ref, q_ref, k_ref, v_ref, o_ref,
             scoped, *, hg: int, ps: int, kt: int, stages: int, scale: float, interpret: bool):
     (qo_smem2, k_smem, v_smem, p_smem2), (k_loaded, v_loaded, q_loaded), (k_used, v_used), turn = scoped
-    # Query blocks in reverse: a causal prefill's last blocks read the most pages, so they start first and the
-    # short early ones fill the tail of the grid (FA3's order for causal attention).
-    qb, g, wg = start_ref.shape[0] - 1 - lax.axis_index("qb"), lax.axis_index("g"), lax.axis_index("wg")
+    qb, g, wg = heaviest_first(start_ref.shape[0]), lax.axis_index("g"), lax.axis_index("wg")
     T = q_ref.shape[0]
     P = page_table_ref.shape[1]
     D = q_ref.shape[-1]
@@ -148,11 +157,11 @@ def _kernel(start_ref, length_ref, row_ref, max_pos_ref, page_table_ref, pos_ref
             if masked:
                 key0 = s * kt  # pages are read in logical order: step s holds keys s*kt ..
                 kpos = plgpu.broadcasted_iota(jnp.int32, (WG_ROWS, kt), 1, layout=plgpu.Layout.WGMMA) + key0
-                s_ = jnp.where(kpos <= lax.broadcast_in_dim(pos_row, s_.shape, [0]), s_, -jnp.inf)
+                s_ = jnp.where(kpos <= per_row(pos_row, s_.shape[1]), s_, -jnp.inf)
             m_new = jnp.maximum(m_i, s_.max(axis=1) * c)
             alpha = jnp.exp2(m_i - m_new)
-            p = jnp.exp2(s_ * c - lax.broadcast_in_dim(m_new, s_.shape, [0]))
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            p = jnp.exp2(s_ * c - per_row(m_new, s_.shape[1]))
+            acc = acc * per_row(alpha, acc.shape[1])
             l_i = l_i * alpha + p.sum(axis=1)
             p16 = p.astype(v_smem.dtype)
             acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
@@ -188,7 +197,7 @@ def _kernel(start_ref, length_ref, row_ref, max_pos_ref, page_table_ref, pos_ref
         acc, m_i, l_i = lax.fori_loop(whole_steps, num_steps, functools.partial(step, masked=True), carry)
         pl.when(wg == 0)(take_turn)
 
-        acc = acc / lax.broadcast_in_dim(jnp.where(l_i > 0, l_i, 1.0), acc.shape, [0])
+        acc = acc / per_row(jnp.where(l_i > 0, l_i, 1.0), acc.shape[1])
         qo[...] = acc.astype(qo.dtype)
         plgpu.commit_smem()
         for i in range(tpw):

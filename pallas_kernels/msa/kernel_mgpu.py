@@ -31,7 +31,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.attention.kernel_mgpu import NO_ROW, WG_ROWS, row_positions, stream_pages
+from pallas_kernels.attention.kernel_mgpu import NO_ROW, WG_ROWS, heaviest_first, per_row, row_positions, stream_pages
 from pallas_kernels.attention.ragged import query_blocks
 
 
@@ -52,8 +52,7 @@ def _swizzled_32bit(cols: int) -> tuple:
 def _kernel(start_ref, length_ref, row_ref, max_pos_ref, page_table_ref, pos_ref, iq_ref, ik_ref, o_ref, scoped,
             *, G: int, ps: int, bp: int, stages: int, T: int, select: dict | None):
     (q_smem2, k_smem, out_smem2), (k_loaded, q_loaded), k_used = scoped
-    # Query blocks in reverse: the last ones see the most pages (causal), so they start first.
-    qb, split, wg = start_ref.shape[0] - 1 - lax.axis_index("qb"), lax.axis_index("split"), lax.axis_index("wg")
+    qb, split, wg = heaviest_first(start_ref.shape[0]), lax.axis_index("split"), lax.axis_index("wg")
     P = page_table_ref.shape[1]
     t0, n, row = start_ref[qb], length_ref[qb], row_ref[qb]
     b0 = split * bp
@@ -88,10 +87,9 @@ def _kernel(start_ref, length_ref, row_ref, max_pos_ref, page_table_ref, pos_ref
 
             s = pl.run_scoped(qk, plgpu.ACC((WG_ROWS, ps), jnp.float32))
             plgpu.barrier_arrive(k_used.at[slot])
-            if masked:
-                kpos = plgpu.broadcasted_iota(jnp.int32, (WG_ROWS, ps), 1, layout=plgpu.Layout.WGMMA) + (b0 + j) * ps
-                s = jnp.where(kpos <= lax.broadcast_in_dim(pos_row, s.shape, [0]), s, -jnp.inf)
-            return jnp.where(col == j, lax.broadcast_in_dim(s.max(axis=1), best.shape, [0]), best)
+            if masked:  # key positions of page b0 + j: the column iota, offset
+                s = jnp.where(col + (b0 + j) * ps <= per_row(pos_row, ps), s, -jnp.inf)
+            return jnp.where(col == j, per_row(s.max(axis=1), ps), best)
 
         best = lax.fori_loop(0, whole, functools.partial(step, masked=False), best)
         best = lax.fori_loop(whole, num_steps, functools.partial(step, masked=True), best)
@@ -124,22 +122,19 @@ def _select(s, col, pos_row, *, width: int, ps: int, P: int, topk: int, local_bl
     scores by the lower block), as rounds of a row max and the lowest column holding it. Page b holds keys
     b * ps .. (b + 1) * ps - 1, so the page-space tests of the reference read here as key-space tests on the row's
     position (no division): b <= pos // ps is b * ps <= pos, and b > pos // ps - L is (b + L) * ps > pos."""
-    def rows(v, cols: int):  # a per-row vector broadcast across `cols` columns
-        return lax.broadcast_in_dim(v, (WG_ROWS, cols), [0])
-
-    pos = rows(pos_row, ps)  # -1 for rows past the block's end: nothing forced
+    pos = per_row(pos_row, ps)  # -1 for rows past the block's end: nothing forced
     start = col * ps
     forced = (start <= pos) & ((start + local_blocks * ps > pos) | (col < init_blocks)) & (col < P)
     s = jnp.where(forced, jnp.inf, s)
     # The picks come out largest first, so the first `visible` of them are the visible blocks.
-    visible = rows(jnp.sum(jnp.where(s > -jnp.inf, 1, 0), axis=1), width)
+    visible = per_row(jnp.sum(jnp.where(s > -jnp.inf, 1, 0), axis=1), width)
     # The ids' own narrow tile (not page-wide): fewer registers live beside the scores through the rounds.
     out_col = plgpu.broadcasted_iota(jnp.int32, (WG_ROWS, width), 1, layout=plgpu.Layout.WGMMA)
     ids = plgpu.layout_cast(jnp.full((WG_ROWS, width), -1, jnp.int32), plgpu.Layout.WGMMA)
     for j in range(min(topk, P)):
-        pick = jnp.min(jnp.where(s == rows(s.max(axis=1), ps), col, ps), axis=1)
-        ids = jnp.where((out_col == j) & (visible > j), rows(pick, width), ids)
-        s = jnp.where(col == rows(pick, ps), -jnp.inf, s)
+        pick = jnp.min(jnp.where(s == per_row(s.max(axis=1), ps), col, ps), axis=1)
+        ids = jnp.where((out_col == j) & (visible > j), per_row(pick, width), ids)
+        s = jnp.where(col == per_row(pick, ps), -jnp.inf, s)
     return ids
 
 

@@ -421,12 +421,17 @@ def down(act_MF: jax.Array, slot_B: jax.Array, rows_B: jax.Array, experts: dict,
 def grouped_gemms(h_TD: jax.Array, row_token_M: jax.Array, slot_B: jax.Array, rows_B: jax.Array, experts: dict,
                   tiles: MoeTiles, *, group: int, alpha: float, limit: float, interpret: bool = False) -> jax.Array:
     """y [M, D] = down(swiglu(gate_up(x))) over the sorted rows, as `kernel`'s two Triton kernels compute it:
-    the swapped kernels for MXFP8 experts under `tiles.mx_widen == "swap"` (their y^T transposed back once),
+    the swapped kernels for MXFP8 experts under `tiles.mx_widen == "swap"` (their y^T transposed back once, as
+    an op of its own),
     else `gate_up` / `down` (bf16 experts have nothing to widen: "swap" means "each" for them)."""
     if tiles.mx_widen == "swap" and layout.weight_format(experts) == "mxfp8":
         actT_FM = gate_up_swapped(h_TD, row_token_M, slot_B, rows_B, experts, tiles.gu, group=group, alpha=alpha,
                                   limit=limit, interpret=interpret)
-        return down_swapped(actT_FM, slot_B, rows_B, experts, tiles.dn, group=group, interpret=interpret).T
+        yT_DM = down_swapped(actT_FM, slot_B, rows_B, experts, tiles.dn, group=group, interpret=interpret)
+        # Transposed on its own, not inside the combine's gather: fused there, the combine read y^T column by
+        # column (8k tokens, H100: 4.05 ms against 0.23 ms for the combine of the other kernels' y, rev 5da6a56,
+        # benchmarks/results/moe-mosaic-mx-h100-5da6a56.json); one transpose reads and writes ~0.5 GB.
+        return lax.optimization_barrier(yT_DM.T)
     widen = "each" if tiles.mx_widen == "swap" else tiles.mx_widen
     act_MF = gate_up(h_TD, row_token_M, slot_B, rows_B, experts, tiles.gu, group=group, alpha=alpha, limit=limit,
                      interpret=interpret, widen=widen)

@@ -554,7 +554,12 @@ def _sparse_variants(kind: str, context: int, base: AttentionTiles) -> list[Atte
         # of 4 tokens' selections, which wins where neighbouring tokens' selections overlap (the case's
         # `union_page_ratio`). (attention-h200-prefill-2/-3/-4.json: 1 / 4 / 8 tiles per page read and 8-token
         # tiles with 8 warps were slower than 16 tiles of 4 tokens.)
-        return [r(base, block_major=0, num_stages=3, key_tile=64)] if base.block_major else []
+        # The Mosaic GPU union kernel (msa/sparse_mgpu.py) first: whole pages at 2 stages, half pages at 4.
+        if not base.block_major:
+            return []
+        union = r(base, block_major=0, num_stages=3, key_tile=64)
+        return [r(union, backend="mosaic", key_tile=128, num_stages=2), r(union, backend="mosaic", num_stages=4),
+                union]
     if VARIANTS == "final":
         return []
     if VARIANTS == "depth":

@@ -19,6 +19,7 @@ timeout, and the JSON is written after every case.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -27,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-CASES = ("index", "dense", "moe-bf16", "moe-mxfp8-swap", "moe-mxfp8-split", "moe-mxfp8-each")
+CASES = ("index", "dense", "sparse", "moe-bf16", "moe-mxfp8-swap", "moe-mxfp8-split", "moe-mxfp8-each")
 # M3's shapes on the GPU; --small: toy shapes in jax's GPU interpreter, a dry run of this script on the CPU.
 SHAPES = {"full": {"H": 64, "K": 4, "D": 128, "ps": 128, "G": 4, "Di": 128, "topk": 16,
                    "rows": [(1000, 3000), (4, 2600), (4, 700), (300, 0)], "tokens": 1344,
@@ -86,9 +87,52 @@ def case_dense() -> dict:
     return {**out, "ok": worst < 8e-3}  # bf16 P and output (the CPU test's bound is 4e-3 on a smaller batch)
 
 
-def case_index() -> dict:
-    import dataclasses
+def case_sparse() -> dict:
+    """The Mosaic union block-sparse attention against the reference and the Triton union kernel, on each token's
+    own random selection (its own block always among them, so the causal cutoff inside a page runs)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
 
+    from benchmarks.timing import rel_err
+    from pallas_kernels.attention import tuning
+    from pallas_kernels.msa import kernel as msa_kernel
+    from pallas_kernels.msa import reference as msa_ref
+
+    H, K, D, ps, topk = S["H"], S["K"], S["D"], S["ps"], S["topk"]
+    batch, num_pages, rng = _attention_batch()
+    T = batch.num_tokens
+    pos = np.asarray(batch.positions)
+    blocks = np.full((T, K, topk), -1, np.int32)
+    for t in range(T):
+        for g in range(K):
+            own = pos[t] // ps
+            pick = [own] + [b for b in rng.permutation(own + 1) if b != own][:topk - 1]  # distinct, as top-k's
+            blocks[t, g, :len(pick)] = pick
+    blocks = jnp.asarray(blocks)
+    q = jnp.asarray(rng.normal(size=(T, H, D)), jnp.bfloat16)
+    kp, vp = (jnp.asarray(rng.normal(size=(num_pages, ps, K, D)), jnp.bfloat16) for _ in range(2))
+    args = (batch.page_table, batch.token_row, batch.positions)
+    scale = D ** -0.5
+    want = msa_ref.paged_block_sparse_attention(*(x.astype(jnp.float32) for x in (q, kp, vp)), *args, blocks,
+                                                scale=scale)
+
+    def attend(tiles: tuning.AttentionTiles) -> jax.Array:
+        return jax.jit(lambda *a: msa_kernel.paged_block_sparse_attention(
+            *a, scale=scale, tiles=tiles, interpret=INTERPRET))(q, kp, vp, *args, blocks)
+
+    triton_tiles = tuning.sparse_tiles(T, batch.page_table.shape[0], topk, H // K, union=True)
+    tri = attend(triton_tiles)
+    out: dict[str, Any] = {"triton_tiles": str(triton_tiles), "triton_rel_err_vs_reference": rel_err(tri, want)}
+    for key_tile, stages in ((64, 4), (128, 2)):
+        got = attend(dataclasses.replace(triton_tiles, key_tile=key_tile, num_stages=stages, backend="mosaic"))
+        out[f"mosaic_kt{key_tile}_s{stages}"] = {"rel_err_vs_reference": rel_err(got, want),
+                                                 "rel_err_vs_triton": rel_err(got, tri)}
+    worst = max(v["rel_err_vs_reference"] for k, v in out.items() if k.startswith("mosaic"))
+    return {**out, "ok": worst < 8e-3}
+
+
+def case_index() -> dict:
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -178,6 +222,8 @@ def run_case(name: str) -> dict:
         return case_dense()
     if name == "index":
         return case_index()
+    if name == "sparse":
+        return case_sparse()
     fmt, _, widen = name.removeprefix("moe-").partition("-")
     return case_moe(fmt, widen or None)
 

@@ -454,3 +454,65 @@ def test_mosaic_fused_topk_ties_forcing_and_short_rows(topk, local, init):
         return
     ids = msa_kernel.paged_select_blocks(iq, ik, pt, tr, pos, tiles=tiles, interpret=True, **kw)
     np.testing.assert_array_equal(np.asarray(ids), np.asarray(msa_ref.paged_select_blocks(iq, ik, pt, tr, pos, **kw)))
+
+
+def test_union_page_lists_owner_bits():
+    """Each query block's union entries: sorted, distinct, and owner bit i set exactly when token i selected the
+    block (selections with -1 anywhere, shared and independent ones)."""
+    rng = np.random.default_rng(11)
+    blocks = np.array(_selection(rng))
+    blocks[rng.random(blocks.shape) < 0.2] = -1
+    blocks[8:12] = blocks[8]  # a block of tokens sharing one selection
+    qbs = query_blocks(BATCH.token_row, BATCH.positions, bt=4, num_rows=BATCH.page_table.shape[0])
+    lists, owners, count = (np.asarray(x) for x in msa_kernel.union_page_lists(jnp.asarray(blocks), qbs, 4))
+    for q, (t0, n) in enumerate(zip(np.asarray(qbs.start_Q), np.asarray(qbs.length_Q), strict=True)):
+        for g in range(K):
+            want = {}
+            for i in range(n):
+                for b in blocks[t0 + i, g]:
+                    if b >= 0:
+                        want[int(b)] = want.get(int(b), 0) | (1 << i)
+            c = count[q, g]
+            assert lists[q, g, :c].tolist() == sorted(want)
+            assert owners[q, g, :c].tolist() == [want[b] for b in sorted(want)]
+            assert (owners[q, g, c:] == 0).all()
+
+
+@pytest.mark.parametrize("ps,key_tile,stages,shared", [(64, 64, 2, False), (128, 64, 4, True)])
+def test_mosaic_union_sparse_attention_equal_reference(ps, key_tile, stages, shared):
+    """The Mosaic GPU block-sparse attention (msa/sparse_mgpu.py) in jax's GPU interpreter against the reference:
+    each token's own selection inside its query block's union (independent selections with -1 anywhere, or
+    neighbours sharing one), token-exact causal cutoffs on the token's own block, odd step counts (a padding
+    step), whole and half-page steps; a chunk behind a prefix, a decode with 3 drafts, a first token, padding."""
+    perm = np.random.default_rng(7).permutation(np.arange(1, 24))
+    pages = iter(perm.tolist())
+    take = lambda n: [next(pages) for _ in range(n)]  # noqa: E731
+    rows = [RowPlan([1] * 9, 90, take(-(-99 // ps))), RowPlan([1] * 4, 200, take(-(-204 // ps))),
+            RowPlan([1] * 1, 0, take(1))]
+    batch, _ = build_batch(rows, ps, 16, 4, -(-204 // ps))
+    rng = np.random.default_rng(12)
+    T, hg, topk = batch.num_tokens, 16, 3
+    pos = np.asarray(batch.positions)
+    blocks = np.full((T, 2, topk), -1, np.int32)
+    for t in range(T):
+        for g in range(2):
+            own = pos[t] // ps  # the token's own block first: the causal cutoff inside a page
+            pick = [own] + [b for b in rng.permutation(own + 1) if b != own][:topk - 1]  # distinct, as top-k's
+            blocks[t, g, :len(pick)] = pick
+            blocks[t, g, 1:][rng.random(topk - 1) < 0.3] = -1
+    if shared:
+        blocks = blocks[np.arange(T) // 4 * 4]
+    q = _normal(rng, T, 2 * hg, 64, dtype=jnp.bfloat16)
+    kp, vp = (_normal(rng, 24, ps, 2, 64, dtype=jnp.bfloat16) for _ in range(2))
+    args = (batch.page_table, batch.token_row, batch.positions)
+    want = msa_ref.paged_block_sparse_attention(*(x.astype(jnp.float32) for x in (q, kp, vp)), *args,
+                                                jnp.asarray(blocks), scale=0.125)
+    tiles = AttentionTiles(bt=4, pages_per_split=16, key_tile=key_tile, num_stages=stages, backend="mosaic")
+    got = msa_kernel.paged_block_sparse_attention(q, kp, vp, *args, jnp.asarray(blocks), scale=0.125, tiles=tiles,
+                                                  interpret=True)
+    got, want = np.asarray(got.astype(jnp.float32)), np.asarray(want)
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 4e-3  # bf16 P and output
+    np.testing.assert_allclose(got, want, atol=3e-2)
+    with pytest.raises(ValueError, match="even number of stages"):
+        msa_kernel.paged_block_sparse_attention(q, kp, vp, *args, jnp.asarray(blocks), scale=0.125,
+                                                tiles=dataclasses.replace(tiles, num_stages=3), interpret=True)

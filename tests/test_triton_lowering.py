@@ -218,3 +218,18 @@ def test_mosaic_block_scores_lower(bp, stages, fused):
     text = lower_for_gpu(fn, _sds((T, G, DI), jnp.bfloat16), _sds((NUM_PAGES, PS, DI), jnp.bfloat16),
                          _sds((R, P), jnp.int32), _sds((T,), jnp.int32), _sds((T,), jnp.int32))
     assert text.count("custom_call @mosaic_gpu") == 1 and count_triton_kernels(text) == 0
+
+
+@pytest.mark.parametrize("key_tile,stages", [(128, 2), (64, 4)])
+def test_mosaic_union_sparse_attention_lowers(key_tile, stages):
+    """The Mosaic GPU block-sparse attention (msa/sparse_mgpu.py) through jax's Mosaic GPU lowering for an 8k
+    prefill chunk at M3's shapes (16 selected blocks a token), its union lists and shared memory included."""
+    from pallas_kernels.msa import kernel as msa_kernel
+
+    tiles = tuning.AttentionTiles(bt=4, pages_per_split=64, key_tile=key_tile, num_stages=stages, backend="mosaic")
+    fn = functools.partial(msa_kernel.paged_block_sparse_attention, scale=SCALE, tiles=tiles)
+    T, R, P = 8192, 4, 80
+    text = lower_for_gpu(fn, _sds((T, H, HD), jnp.bfloat16), _sds((NUM_PAGES, PS, K, HD), jnp.bfloat16),
+                         _sds((NUM_PAGES, PS, K, HD), jnp.bfloat16), _sds((R, P), jnp.int32), _sds((T,), jnp.int32),
+                         _sds((T,), jnp.int32), _sds((T, K, TOPK), jnp.int32))
+    assert text.count("custom_call @mosaic_gpu") == 1 and count_triton_kernels(text) == 0

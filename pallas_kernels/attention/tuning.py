@@ -72,6 +72,8 @@ class AttentionTiles:
     mask_every_page: bool = False
     # Dense: "triton" (kernel.py) or "mosaic" (kernel_mgpu.py: warp-specialised, TMA-fed wgmma, for prefill-sized
     # steps; `key_tile` keys per step and `num_stages` K/V buffers; bt is its own, 2 x 64 rows / heads per group).
+    # Block-sparse union (block_major 0): "mosaic" is msa/sparse_mgpu.py, query blocks of 64 rows / heads per
+    # group tokens whose two compute warpgroups take alternate pages; an even `num_stages`.
     backend: str = "triton"
 
 

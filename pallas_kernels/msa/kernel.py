@@ -31,7 +31,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.attention.kernel import ragged_paged_attention
 from pallas_kernels.attention.ragged import QueryBlocks, query_blocks, whole_pages
 from pallas_kernels.attention.tuning import AttentionTiles, IndexTiles
-from pallas_kernels.msa import kernel_mgpu
+from pallas_kernels.msa import kernel_mgpu, sparse_mgpu
 from pallas_kernels.msa.block_major import block_major_attention
 from pallas_kernels.sync import when_last
 
@@ -268,13 +268,31 @@ def _query_block_selections(blocks_TGN: jax.Array, qbs: QueryBlocks, bt: int) ->
     return blk_QBGN.transpose(0, 2, 1, 3).reshape(-1, G, bt * N)
 
 
-def union_page_lists(blocks_TGN: jax.Array, qbs: QueryBlocks, bt: int) -> tuple[jax.Array, jax.Array]:
+def union_page_lists(blocks_TGN: jax.Array, qbs: QueryBlocks, bt: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Per (query block, group): the sorted distinct selected blocks of its tokens [Q, G, bt * N] (padded with a
-    sentinel) and their count [Q, G]. Duplicates and -1 go, so each page is read once per program."""
-    blk_QGL = jnp.sort(_query_block_selections(blocks_TGN, qbs, bt), axis=-1)
-    dup = jnp.concatenate([jnp.zeros_like(blk_QGL[..., :1], jnp.bool_), blk_QGL[..., 1:] == blk_QGL[..., :-1]], -1)
-    blk_QGL = jnp.sort(jnp.where(dup, _NO_BLOCK, blk_QGL), axis=-1)
-    return blk_QGL, jnp.sum(blk_QGL != _NO_BLOCK, axis=-1).astype(jnp.int32)
+    sentinel), their owners (bit i set when the block's token i selected the entry; 0 on the sentinel) and
+    their count [Q, G]. Duplicates and -1 go, so each page is read once per program; the owner bits let a kernel
+    mask a token's rows by one bit test instead of searching the token's own selection. Two sorts: of (block,
+    token) keys, then of each block's run folded into its first entry as (block, owner bits)."""
+    sel_QGL = _query_block_selections(blocks_TGN, qbs, bt)  # entry j holds token j // N's selection
+    N = sel_QGL.shape[-1] // bt
+    tok_L = jnp.arange(bt * N, dtype=jnp.int32) // N
+    tb = max(1, (bt - 1).bit_length())  # bits of a token index
+    key = jnp.sort(jnp.where(sel_QGL == _NO_BLOCK, _NO_BLOCK, (sel_QGL << tb) | tok_L), axis=-1)
+    real = key != _NO_BLOCK
+    blk = jnp.where(real, key >> tb, _NO_BLOCK)
+    bit = jnp.where(real, 1 << (key & ((1 << tb) - 1)), 0)
+    # A token selects a block at most once, so a block's run is at most bt entries long: OR the next bt - 1.
+    owners = bit
+    for d in range(1, bt):
+        nxt_blk = jnp.pad(blk[..., d:], [(0, 0), (0, 0), (0, d)], constant_values=_NO_BLOCK)
+        nxt_bit = jnp.pad(bit[..., d:], [(0, 0), (0, 0), (0, d)])
+        owners = owners | jnp.where(nxt_blk == blk, nxt_bit, 0)
+    first = real & jnp.concatenate([jnp.ones_like(blk[..., :1], jnp.bool_), blk[..., 1:] != blk[..., :-1]], -1)
+    key = jnp.sort(jnp.where(first, (blk << bt) | owners, _NO_BLOCK), axis=-1)
+    real = key != _NO_BLOCK
+    return (jnp.where(real, key >> bt, _NO_BLOCK), jnp.where(real, key & ((1 << bt) - 1), 0),
+            jnp.sum(real, axis=-1).astype(jnp.int32))
 
 
 def paged_block_sparse_attention(q_THD: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
@@ -285,7 +303,8 @@ def paged_block_sparse_attention(q_THD: jax.Array, k_pages: jax.Array, v_pages: 
     from -1 padding (what `paged_select_blocks` produces); with one token per program duplicates are not merged.
     `heads_major`: pages laid out [pages, K, page_size, hd] (an experiment against KVPages' layout).
 
-    `tiles.block_major` picks the KV-block-major kernel, else query blocks over their tokens' union of pages.
+    `tiles.block_major` picks the KV-block-major kernel, else query blocks over their tokens' union of pages
+    (`tiles.backend`: the Triton kernel or the Mosaic GPU one, msa/sparse_mgpu.py).
     The tiles choose, never the device: a choice by the selections' overlap would need a conditional, whose
     predicate the GPU runtime reads back on the host (tuning.sparse_tiles)."""
     blocks_TGN = blocks_TGN.astype(jnp.int32)
@@ -294,6 +313,12 @@ def paged_block_sparse_attention(q_THD: jax.Array, k_pages: jax.Array, v_pages: 
     if tiles.block_major:
         return block_major_attention(*kv, token_row_T, pos_T, blocks_TGN, scale=scale, tiles=tiles,
                                      interpret=interpret)
+    if tiles.backend == "mosaic":  # the union of pages on Mosaic GPU, query blocks of its own size
+        bt = sparse_mgpu.tokens_per_block(q_THD.shape[1] // k_pages.shape[2])
+        qbs = query_blocks(token_row_T, pos_T, bt=bt, num_rows=page_table_RP.shape[0])
+        return sparse_mgpu.paged_union_attention(*kv, pos_T, qbs, *union_page_lists(blocks_TGN, qbs, bt), scale,
+                                                 key_tile=tiles.key_tile or k_pages.shape[1],
+                                                 stages=tiles.num_stages, interpret=interpret)
     qbs = query_blocks(token_row_T, pos_T, bt=tiles.bt, num_rows=page_table_RP.shape[0])
 
     def union(page_list: jax.Array, count: jax.Array, per_token: jax.Array | None) -> jax.Array:
@@ -307,4 +332,5 @@ def paged_block_sparse_attention(q_THD: jax.Array, k_pages: jax.Array, v_pages: 
         T, G, N = blocks_TGN.shape
         assert qbs.num_blocks == T
         return union(blocks_TGN, jnp.full((T, G), N, jnp.int32), None)
-    return union(*union_page_lists(blocks_TGN, qbs, tiles.bt), blocks_TGN)
+    page_list, _, count = union_page_lists(blocks_TGN, qbs, tiles.bt)
+    return union(page_list, count, blocks_TGN)

@@ -516,3 +516,18 @@ def test_mosaic_union_sparse_attention_equal_reference(ps, key_tile, stages, sha
     with pytest.raises(ValueError, match="even number of stages"):
         msa_kernel.paged_block_sparse_attention(q, kp, vp, *args, jnp.asarray(blocks), scale=0.125,
                                                 tiles=dataclasses.replace(tiles, num_stages=3), interpret=True)
+
+
+def test_prefill_tiles_take_mosaic_only_where_the_dispatch_allows():
+    """The tile table picks the Mosaic GPU kernels for prefill-shaped steps when the dispatch says they run here
+    (a Hopper GPU, compiled, shapes they take), never for decode or batch-invariant steps; on this CPU it never
+    says so."""
+    for kw in ({}, {"invariant": True}):
+        assert tuning.dense_tiles(8192, 1, 64, 4, 16, mosaic=True, **kw).backend == ("triton" if kw else "mosaic")
+        assert tuning.index_tiles(8192, 1, 64, 4, mosaic=True, **kw).backend == ("triton" if kw else "mosaic")
+        assert tuning.sparse_tiles(8192, 1, 16, 16, mosaic=True, **kw).backend == ("triton" if kw else "mosaic")
+    assert tuning.sparse_tiles(8192, 1, 16, 16, mosaic=True, union=True).backend == "mosaic"
+    assert tuning.dense_tiles(64, 64, 64, 4, 16, mosaic=True).backend == "triton"  # decode
+    assert tuning.index_tiles(64, 64, 64, 4, mosaic=True).backend == "triton"
+    assert tuning.sparse_tiles(64, 64, 16, 16, mosaic=True).backend == "triton"
+    assert not dispatch._mosaic(False, True)  # no wgmma device here

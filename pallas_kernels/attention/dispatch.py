@@ -2,9 +2,9 @@
 
 The one place that picks kernel vs reference for the attention family. Each op takes `impl`, the attention part
 of a resolved `pallas_kernels.choice.KernelChoice` (a static value of the forward):
-- "pallas": the Pallas kernels (Triton lowering), tiles from `tuning.py` keyed by the real shapes (rows per
-  request: decode vs prefill; page-table width; head dims), or one set for every step with `invariant`
-  (`KernelChoice.batch_invariant`);
+- "pallas": the Pallas kernels (Triton lowering; at prefill on a Hopper GPU the Mosaic GPU ones where they take
+  the shapes), tiles from `tuning.py` keyed by the real shapes (rows per request: decode vs prefill; page-table
+  width; head dims), or one set for every step with `invariant` (`KernelChoice.batch_invariant`);
 - "interpret": the same kernels through Pallas' interpreter (how CI checks them on the CPU);
 - "reference": the jnp references (the definitions).
 
@@ -23,12 +23,15 @@ from __future__ import annotations
 import jax
 
 from pallas_kernels.attention import kernel as _kernel
+from pallas_kernels.attention import kernel_mgpu as _kernel_mgpu
 from pallas_kernels.attention import reference as _ref
 from pallas_kernels.attention import tuning
 from pallas_kernels.attention.kv_write import write_pages_pallas, write_pages_xla
 from pallas_kernels.choice import IMPLS
 from pallas_kernels.msa import kernel as _msa_kernel
+from pallas_kernels.msa import kernel_mgpu as _msa_kernel_mgpu
 from pallas_kernels.msa import reference as _msa_ref
+from pallas_kernels.msa import sparse_mgpu as _sparse_mgpu
 
 __all__ = ["paged_dense_attention", "paged_select_blocks", "paged_block_sparse_attention", "write_kv_pages"]
 
@@ -49,6 +52,12 @@ def _kernel_mode(impl: str, *pow2_dims: int) -> tuple[bool, bool]:
     return _pow2(*pow2_dims), False
 
 
+def _mosaic(interpret: bool, supported: bool) -> bool:
+    """Whether the tile table may pick a Mosaic GPU kernel: compiled (not interpreted) on a device that runs them,
+    at shapes the kernel takes."""
+    return not interpret and supported and tuning.wgmma_device()
+
+
 def paged_dense_attention(q_THD: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table_RN: jax.Array,
                           token_row_T: jax.Array, pos_T: jax.Array, scale: float, *, impl: str,
                           invariant: bool = False) -> jax.Array:
@@ -58,7 +67,8 @@ def paged_dense_attention(q_THD: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
     if not use:
         return _ref.paged_dense_attention(q_THD, k_pages, v_pages, page_table_RN, token_row_T, pos_T, scale)
     R, P = page_table_RN.shape
-    tiles = tuning.dense_tiles(T, R, P, K, H // K, invariant=invariant)
+    mosaic = _mosaic(interpret, _kernel_mgpu.supports(H // K, D, ps, min(128, ps)))
+    tiles = tuning.dense_tiles(T, R, P, K, H // K, invariant=invariant, mosaic=mosaic)
     return _kernel.paged_dense_attention(q_THD, k_pages, v_pages, page_table_RN, token_row_T, pos_T, scale,
                                          tiles=tiles, interpret=interpret)
 
@@ -69,7 +79,8 @@ def paged_select_blocks(iq_TGD: jax.Array, ik_pages: jax.Array, page_table_RN: j
     T, G, Di = iq_TGD.shape
     ps = ik_pages.shape[1]
     R, P = page_table_RN.shape
-    tiles = tuning.index_tiles(T, R, P, G, invariant=invariant)
+    mosaic = _mosaic(impl == "interpret", _msa_kernel_mgpu.supports(G, Di, ps, 64))
+    tiles = tuning.index_tiles(T, R, P, G, invariant=invariant, mosaic=mosaic)
     use, interpret = _kernel_mode(impl, ps, Di, G * tiles.bt)
     if not use:
         return _msa_ref.paged_select_blocks(iq_TGD, ik_pages, page_table_RN, token_row_T, pos_T, topk=topk,
@@ -88,8 +99,10 @@ def paged_block_sparse_attention(q_THD: jax.Array, k_pages: jax.Array, v_pages: 
     T, H, D = q_THD.shape
     _, ps, K, _ = k_pages.shape
     R, _ = page_table_RN.shape
-    tiles = tuning.sparse_tiles(T, R, blocks_TGN.shape[-1], H // K, invariant=invariant, union=union)
     use, interpret = _kernel_mode(impl, ps, D, H // K)  # any top-k: the kernels pad it to a power of two
+    mosaic = _mosaic(interpret, _sparse_mgpu.supports(H // K, D, ps, min(64, ps), 4))
+    tiles = tuning.sparse_tiles(T, R, blocks_TGN.shape[-1], H // K, invariant=invariant, union=union,
+                                mosaic=mosaic)
     if not use:
         return _msa_ref.paged_block_sparse_attention(q_THD, k_pages, v_pages, page_table_RN, token_row_T, pos_T,
                                                      blocks_TGN, scale=scale)

@@ -9,6 +9,9 @@ same tiles so CI runs the code the GPU runs.
 from __future__ import annotations
 
 import dataclasses
+import functools
+
+import jax
 
 # Below this many new rows a step's K / V / index-K write stays an XLA scatter, from it on the Pallas row store:
 # 64 rows 10.3 vs 14.6 us, 8192 rows 41.0 vs 15.3 us (32 writes in one jitted loop, 8.6 GB pool); the threshold
@@ -77,6 +80,13 @@ class AttentionTiles:
     backend: str = "triton"
 
 
+@functools.cache
+def wgmma_device() -> bool:
+    """Whether the default device runs the Mosaic GPU kernels (warp-specialised wgmma): a Hopper (sm_90) GPU."""
+    d = jax.devices()[0]
+    return d.platform == "gpu" and str(getattr(d, "compute_capability", "")) == "9.0"
+
+
 def pow2_at_least(x: int) -> int:
     """The smallest power of two >= x (1 for x <= 1): what every Triton tile size must be."""
     return 1 << max(0, (x - 1).bit_length())
@@ -87,7 +97,8 @@ def _rows_per_request(num_tokens: int, num_rows: int) -> int:
 
 
 def index_tiles(num_tokens: int, num_rows: int, pages_per_row: int, index_heads: int, *,
-                invariant: bool = False) -> IndexTiles:
+                invariant: bool = False, mosaic: bool = False) -> IndexTiles:
+    """`mosaic`: the Mosaic GPU scoring takes these shapes on this device (dispatch decides; prefill only)."""
     rows = _rows_per_request(num_tokens, num_rows)
     # The dot needs M = bt * heads >= 16 rows on the matrix units (Triton's minimum).
     min_bt = pow2_at_least(max(1, -(-16 // index_heads)))
@@ -110,11 +121,18 @@ def index_tiles(num_tokens: int, num_rows: int, pages_per_row: int, index_heads:
     # Batch-invariant: these tiles for every step. A decode token then scores in a 64-row dot like a prefill
     # token (the row's arithmetic does not change with the dot's height), and the top-k is always the second
     # launch, whose result does not depend on how the pages were split.
+    # Mosaic GPU (msa/kernel_mgpu.py), where it runs: 64 pages a program, 4 stages, the Pallas top-k after it.
+    # 8k chunk, H100, kernel-busy, three cases in two runs: 124.8-128.9 us against 130.9-135.4 us for these
+    # Triton tiles (the scoring kernel 54-55 against 85 us; the top-k inside it, a 92 us kernel, loses;
+    # benchmarks/results/attention-prefill-h100-5da6a56.json and -5d34121.json). Not batch-invariant mode's.
+    if mosaic and not invariant:
+        return IndexTiles(bt=16, bp=64, num_stages=4, backend="mosaic")
     return IndexTiles(bt=max(min_bt, pow2_at_least(max(1, 64 // index_heads))), bp=32, mask_every_page=invariant)
 
 
 def sparse_tiles(num_tokens: int, num_rows: int, topk: int, heads_per_group: int, *,
-                 invariant: bool = False, union: bool = False) -> AttentionTiles:
+                 invariant: bool = False, union: bool = False, mosaic: bool = False) -> AttentionTiles:
+    """`mosaic`: the Mosaic GPU union kernel takes these shapes on this device (dispatch decides)."""
     rows = _rows_per_request(num_tokens, num_rows)
     if rows <= DECODE_ROWS_PER_REQUEST or invariant:
         # Batch-invariant: this per-token kernel for prefill tokens too. Each token reads its own selected pages
@@ -151,13 +169,21 @@ def sparse_tiles(num_tokens: int, num_rows: int, topk: int, heads_per_group: int
     # second half, and the host could not build the next step meanwhile. The union kernel is the operator's static
     # choice instead (`union`: `KernelChoice.sparse_prefill`, `--sparse-prefill-kernel union`), for models whose
     # neighbouring tokens choose overlapping pages.
+    # Mosaic GPU (msa/sparse_mgpu.py), where it runs, for either choice: the union of pages with both compute
+    # warpgroups on one query block's 64 rows, half-page steps, 4 stages. 8k chunk, H100, kernel-busy (one
+    # run, benchmarks/results/attention-prefill-h100-5d34121.json): random selections 2,211 us against 2,946
+    # block-major and 3,429 Triton union; 256-token drift 1,418 against 2,920 and 2,035 (whole pages at 2
+    # stages: 2,413 / 1,550).
+    if mosaic:
+        return AttentionTiles(bt=4, pages_per_split=4 * topk, num_stages=4, key_tile=64, backend="mosaic")
     if union:  # the union kernel's tiles when it was measured against block-major (above)
         return AttentionTiles(bt=4, pages_per_split=4 * topk, num_stages=3, key_tile=64)
     return AttentionTiles(bt=4, pages_per_split=4 * topk, num_stages=2, block_major=16)
 
 
 def dense_tiles(num_tokens: int, num_rows: int, pages_per_row: int, num_kv_heads: int,
-                heads_per_group: int, *, invariant: bool = False) -> AttentionTiles:
+                heads_per_group: int, *, invariant: bool = False, mosaic: bool = False) -> AttentionTiles:
+    """`mosaic`: the Mosaic GPU kernel takes these shapes on this device (dispatch decides; prefill only)."""
     rows = _rows_per_request(num_tokens, num_rows)
     if rows <= DECODE_ROWS_PER_REQUEST and not invariant:
         # Flash-decoding split so that requests x groups x splits is ~16 programs per SM (32k, batch 64: 8 splits
@@ -172,6 +198,11 @@ def dense_tiles(num_tokens: int, num_rows: int, pages_per_row: int, num_kv_heads
     # Batch-invariant: these tiles for every step, never split: a decode token is a query block of one token
     # whose keys are visited in page order by one program, the same dot shapes as a prefill token's; and every
     # page through the masked body (AttentionTiles.mask_every_page).
+    # Mosaic GPU (attention/kernel_mgpu.py, FA3-style), where it runs: whole pages, 3 stages. 8k chunk, H100,
+    # kernel-busy: 1,836 / 1,868 us against 2,706 / 2,720 us for the Triton tiles below (1.32-1.34x the compute
+    # floor against 1.94-1.95x; attention-prefill-h100-5da6a56.json, -5d34121.json). Not batch-invariant mode's.
+    if mosaic and not invariant:
+        return AttentionTiles(bt=8, pages_per_split=pages_per_row, key_tile=128, num_stages=3, backend="mosaic")
     bt = pow2_at_least(max(1, 128 // heads_per_group))
     return AttentionTiles(bt=bt, pages_per_split=pages_per_row, num_warps=8, num_stages=3,
                           mask_every_page=invariant)

@@ -338,7 +338,8 @@ def bench_case(case: Case, s: Shapes, rec: Recorder, *, small: bool, interpret: 
     floor_s, floor_kind = _floor(idx_bytes, idx_flops)
     t, err = kernel_time(select, sel_sets, small)
     t_ref = try_time(select_ref, sel_sets[:2], small) if with_reference else None
-    tiles = tuning.index_tiles(T, R, P, s.K, invariant=INVARIANT)
+    tiles = tuning.index_tiles(T, R, P, s.K, invariant=INVARIANT,
+                               mosaic=dispatch.mosaic_for("index", s.K, s.Di, s.ps, interpret=small))
     rec.add(op="msa_index_topk", case=case.name, variant=f"table {_fmt(tiles)}", shape=shape, time_s=t,
             floor_s=floor_s, floor_kind=floor_kind, bytes=idx_bytes, flops=idx_flops, ratio=_ratio(t, floor_s),
             reference_time_s=t_ref, check=check, error=err, **_no_ref(with_reference),
@@ -385,7 +386,8 @@ def bench_case(case: Case, s: Shapes, rec: Recorder, *, small: bool, interpret: 
         floor_s, floor_kind = _floor(case.context * s.K * s.D * 2 * itemsize, sp_flops)
     t, err = kernel_time(sp, sp_sets, small)
     t_ref = try_time(sp_ref, sp_sets[:2], small) if with_reference else None
-    stiles = tuning.sparse_tiles(T, R, s.topk, s.hg, invariant=INVARIANT)
+    stiles = tuning.sparse_tiles(T, R, s.topk, s.hg, invariant=INVARIANT,
+                                 mosaic=dispatch.mosaic_for("sparse", s.hg, s.D, s.ps, interpret=small))
     rec.add(op="msa_sparse_attention", case=case.name, variant=f"table {_fmt(stiles)}", shape=shape, time_s=t,
             floor_s=floor_s, floor_kind=floor_kind, bytes=sp_bytes, flops=sp_flops, ratio=_ratio(t, floor_s),
             reference_time_s=t_ref, check=check, error=err, **_no_ref(with_reference),
@@ -407,7 +409,8 @@ def bench_case(case: Case, s: Shapes, rec: Recorder, *, small: bool, interpret: 
     floor_s, floor_kind = _floor(dn_bytes, dn_flops)
     t, err = kernel_time(dn, dn_sets, small)
     t_ref = try_time(dn_ref, dn_sets[:2], small) if with_reference else None
-    dtiles = tuning.dense_tiles(T, R, P, s.K, s.hg, invariant=INVARIANT)
+    dtiles = tuning.dense_tiles(T, R, P, s.K, s.hg, invariant=INVARIANT,
+                                mosaic=dispatch.mosaic_for("dense", s.hg, s.D, s.ps, interpret=small))
     rec.add(op="dense_attention", case=case.name, variant=f"table {_fmt(dtiles)}", shape=shape, time_s=t,
             floor_s=floor_s, floor_kind=floor_kind, bytes=dn_bytes, flops=dn_flops, ratio=_ratio(t, floor_s),
             reference_time_s=t_ref, check=check, error=err, **_no_ref(with_reference),

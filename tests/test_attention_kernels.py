@@ -530,4 +530,4 @@ def test_prefill_tiles_take_mosaic_only_where_the_dispatch_allows():
     assert tuning.dense_tiles(64, 64, 64, 4, 16, mosaic=True).backend == "triton"  # decode
     assert tuning.index_tiles(64, 64, 64, 4, mosaic=True).backend == "triton"
     assert tuning.sparse_tiles(64, 64, 16, 16, mosaic=True).backend == "triton"
-    assert not dispatch._mosaic(False, True)  # no wgmma device here
+    assert not dispatch.mosaic_for("dense", 16, 128, 128, interpret=False)  # no wgmma device here

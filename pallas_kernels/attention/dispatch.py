@@ -52,10 +52,17 @@ def _kernel_mode(impl: str, *pow2_dims: int) -> tuple[bool, bool]:
     return _pow2(*pow2_dims), False
 
 
-def _mosaic(interpret: bool, supported: bool) -> bool:
-    """Whether the tile table may pick a Mosaic GPU kernel: compiled (not interpreted) on a device that runs them,
-    at shapes the kernel takes."""
-    return not interpret and supported and tuning.wgmma_device()
+def mosaic_for(op: str, heads: int, dim: int, page_size: int, *, interpret: bool) -> bool:
+    """Whether the tile table may pick op's Mosaic GPU kernel ("dense", "index", "sparse"): compiled (not
+    interpreted), on a device that runs them, at shapes the kernel takes (`heads`: heads per KV group, index heads
+    for "index"; `dim`: their head dim)."""
+    if interpret or not tuning.wgmma_device():
+        return False
+    if op == "dense":
+        return _kernel_mgpu.supports(heads, dim, page_size, min(128, page_size))
+    if op == "index":
+        return _msa_kernel_mgpu.supports(heads, dim, page_size, 64)
+    return _sparse_mgpu.supports(heads, dim, page_size, min(64, page_size), 4)
 
 
 def paged_dense_attention(q_THD: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table_RN: jax.Array,
@@ -67,7 +74,7 @@ def paged_dense_attention(q_THD: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
     if not use:
         return _ref.paged_dense_attention(q_THD, k_pages, v_pages, page_table_RN, token_row_T, pos_T, scale)
     R, P = page_table_RN.shape
-    mosaic = _mosaic(interpret, _kernel_mgpu.supports(H // K, D, ps, min(128, ps)))
+    mosaic = mosaic_for("dense", H // K, D, ps, interpret=interpret)
     tiles = tuning.dense_tiles(T, R, P, K, H // K, invariant=invariant, mosaic=mosaic)
     return _kernel.paged_dense_attention(q_THD, k_pages, v_pages, page_table_RN, token_row_T, pos_T, scale,
                                          tiles=tiles, interpret=interpret)
@@ -79,7 +86,7 @@ def paged_select_blocks(iq_TGD: jax.Array, ik_pages: jax.Array, page_table_RN: j
     T, G, Di = iq_TGD.shape
     ps = ik_pages.shape[1]
     R, P = page_table_RN.shape
-    mosaic = _mosaic(impl == "interpret", _msa_kernel_mgpu.supports(G, Di, ps, 64))
+    mosaic = mosaic_for("index", G, Di, ps, interpret=impl == "interpret")
     tiles = tuning.index_tiles(T, R, P, G, invariant=invariant, mosaic=mosaic)
     use, interpret = _kernel_mode(impl, ps, Di, G * tiles.bt)
     if not use:
@@ -100,7 +107,7 @@ def paged_block_sparse_attention(q_THD: jax.Array, k_pages: jax.Array, v_pages: 
     _, ps, K, _ = k_pages.shape
     R, _ = page_table_RN.shape
     use, interpret = _kernel_mode(impl, ps, D, H // K)  # any top-k: the kernels pad it to a power of two
-    mosaic = _mosaic(interpret, _sparse_mgpu.supports(H // K, D, ps, min(64, ps), 4))
+    mosaic = mosaic_for("sparse", H // K, D, ps, interpret=interpret)
     tiles = tuning.sparse_tiles(T, R, blocks_TGN.shape[-1], H // K, invariant=invariant, union=union,
                                 mosaic=mosaic)
     if not use:

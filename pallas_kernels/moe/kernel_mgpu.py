@@ -129,7 +129,7 @@ def _store_epilogue(y, out_smem, wg, dst, count: int, keep=None) -> None:
 
 def _grouped_gemm(a_MK: jax.Array, mats: tuple[tuple[jax.Array, ...], ...], slot_B: jax.Array, rows_B: jax.Array,
                   *, fmt: str, kt: KernelTiles, group: int, epilogue, out_cols: int, name: str,
-                  interpret: bool, widen: str = "each") -> jax.Array:
+                  interpret: bool, widen: str = "each", a_transposed: bool = False) -> jax.Array:
     """Tiles: `kt.bn` columns per matrix (gate_up has two: gate and up), `kt.bk` K per pipeline step (128, one
     MX group, for MXFP8), `kt.stages` steps in flight (`kt.warps` does not apply: 3 warpgroups).
     `mats`: per matrix its arrays, `(w [S, K, N],)` for bf16 or `(words [S, K/2, N], scales [S, K/128, N])`.
@@ -137,8 +137,10 @@ def _grouped_gemm(a_MK: jax.Array, mats: tuple[tuple[jax.Array, ...], ...], slot
     wgmma at once; "split", warpgroup w widens half w (the low / high bytes) into one shared tile, double-buffered
     by step, and both wait on a barrier before their wgmma (half the widening, one hand-off a step).
     out[M, N_out] per row block b (slot s = slot_B[b] >= 0), tile j:
-    out[rows, j*out_cols:(j+1)*out_cols] = epilogue([a[rows] @ w[s][:, j*bn:(j+1)*bn] for w in mats])."""
-    M, K = a_MK.shape
+    out[rows, j*out_cols:(j+1)*out_cols] = epilogue([a[rows] @ w[s][:, j*bn:(j+1)*bn] for w in mats]).
+    `a_transposed`: `a_MK` holds a^T [K, M] (the swapped gate_up's output), read in [bk, BM] tiles and fed to
+    wgmma as a transposed shared-memory operand."""
+    M, K = a_MK.shape[::-1] if a_transposed else a_MK.shape
     N = mats[0][0].shape[-1]
     dt = jnp.dtype(jnp.bfloat16)
     if a_MK.dtype != dt or (fmt == "dense" and any(m[0].dtype != dt for m in mats)):
@@ -171,11 +173,15 @@ def _grouped_gemm(a_MK: jax.Array, mats: tuple[tuple[jax.Array, ...], ...], slot
         w_refs, o_ref = refs[:-1], refs[-1]
         mat_refs = [w_refs[i * per_mat:(i + 1) * per_mat] for i in range(len(mats))]
 
+        if a_transposed:
+            a_spec = plgpu.BlockSpec((bk, BM), lambda k: (k, 0), transforms=_swizzled(dt, BM),
+                                     memory_space=plgpu.SMEM)
+        else:
+            a_spec = plgpu.BlockSpec((BM, bk), lambda k: (0, k), transforms=tr, memory_space=plgpu.SMEM)
+
         def pipeline_for(body, context):
             return plgpu.emit_pipeline_warp_specialized(
-                body, grid=(K // bk,), memory_registers=40,
-                in_specs=[plgpu.BlockSpec((BM, bk), lambda k: (0, k), transforms=tr, memory_space=plgpu.SMEM)]
-                + w_specs * len(mats),
+                body, grid=(K // bk,), memory_registers=40, in_specs=[a_spec] + w_specs * len(mats),
                 wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=kt.stages, compute_context=context)
 
         def ignore(*_, **__):
@@ -209,8 +215,12 @@ def _grouped_gemm(a_MK: jax.Array, mats: tuple[tuple[jax.Array, ...], ...], slot
                     return [w_smems[m * per_mat:(m + 1) * per_mat] for m in range(len(mats))]
 
                 def mma(accs, a_smem, b_smems):
+                    if a_transposed:
+                        a_rows = a_smem.at[:, pl.ds(wg * WG_ROWS, WG_ROWS)].transpose((1, 0))
+                    else:
+                        a_rows = a_smem.at[pl.ds(wg * WG_ROWS, WG_ROWS)]
                     for acc, b_smem in zip(accs, b_smems, strict=True):
-                        plgpu.wgmma(acc, a_smem.at[pl.ds(wg * WG_ROWS, WG_ROWS)], b_smem)
+                        plgpu.wgmma(acc, a_rows, b_smem)
                     plgpu.wgmma_wait(0)
 
                 def body(indices, a_smem, *rest):
@@ -260,7 +270,7 @@ def _grouped_gemm(a_MK: jax.Array, mats: tuple[tuple[jax.Array, ...], ...], slot
                 @pl.when(slot >= 0)
                 def _():
                     pipeline_for(body, context)(
-                        a_ref.at[pl.ds(b * BM, BM), :],
+                        a_ref.at[:, pl.ds(b * BM, BM)] if a_transposed else a_ref.at[pl.ds(b * BM, BM), :],
                         *(r.at[slot, :, pl.ds(j * bn, bn)] for refs in mat_refs for r in refs),
                         allocations=allocs)
 
@@ -411,27 +421,28 @@ def gate_up(h_TD: jax.Array, row_token_M: jax.Array, slot_B: jax.Array, rows_B: 
 
 
 def down(act_MF: jax.Array, slot_B: jax.Array, rows_B: jax.Array, experts: dict, kt: KernelTiles, *,
-         group: int, interpret: bool = False, widen: str = "each") -> jax.Array:
-    """y [M, D] = act @ down[slot] as `kernel.down` computes it (bf16 or MXFP8 experts, no split K)."""
+         group: int, interpret: bool = False, widen: str = "each", act_transposed: bool = False) -> jax.Array:
+    """y [M, D] = act @ down[slot] as `kernel.down` computes it (bf16 or MXFP8 experts, no split K);
+    `act_transposed`: act_MF holds act^T [F, M] (`gate_up_swapped`'s output)."""
     fmt, mats = _mats(experts, ("down",))
     return _grouped_gemm(act_MF, mats, slot_B, rows_B, fmt=fmt, kt=kt, group=group, epilogue=lambda vals: vals[0],
-                         out_cols=kt.bn, name=f"moe_down_{fmt}_mgpu", interpret=interpret, widen=widen)
+                         out_cols=kt.bn, name=f"moe_down_{fmt}_mgpu", interpret=interpret, widen=widen,
+                         a_transposed=act_transposed)
 
 
 def grouped_gemms(h_TD: jax.Array, row_token_M: jax.Array, slot_B: jax.Array, rows_B: jax.Array, experts: dict,
                   tiles: MoeTiles, *, group: int, alpha: float, limit: float, interpret: bool = False) -> jax.Array:
     """y [M, D] = down(swiglu(gate_up(x))) over the sorted rows, as `kernel`'s two Triton kernels compute it:
-    the swapped kernels for MXFP8 experts under `tiles.mx_widen == "swap"` (their y^T transposed back once, as
-    an op of its own),
+    for MXFP8 experts under `tiles.mx_widen == "swap"` the swapped gate_up and a down that reads its act^T,
     else `gate_up` / `down` (bf16 experts have nothing to widen: "swap" means "each" for them)."""
     if tiles.mx_widen == "swap" and layout.weight_format(experts) == "mxfp8":
         actT_FM = gate_up_swapped(h_TD, row_token_M, slot_B, rows_B, experts, tiles.gu, group=group, alpha=alpha,
                                   limit=limit, interpret=interpret)
-        yT_DM = down_swapped(actT_FM, slot_B, rows_B, experts, tiles.dn, group=group, interpret=interpret)
-        # Transposed on its own, not inside the combine's gather: fused there, the combine read y^T column by
-        # column (8k tokens, H100: 4.05 ms against 0.23 ms for the combine of the other kernels' y, rev 5da6a56,
-        # benchmarks/results/moe-mosaic-mx-h100-5da6a56.json); one transpose reads and writes ~0.5 GB.
-        return lax.optimization_barrier(yT_DM.T)
+        # down reads act^T as it stands ("split" widening) and writes y [M, D]. `down_swapped` writes y^T, and
+        # XLA folds its transpose into the combine's gather, which then reads y^T column by column (8k tokens,
+        # H100: a 4.06 ms combine against 0.23 ms; rev 5d34121, benchmarks/results/moe-mosaic-mx-h100-5d34121.json).
+        return down(actT_FM, slot_B, rows_B, experts, tiles.dn, group=group, interpret=interpret, widen="split",
+                    act_transposed=True)
     widen = "each" if tiles.mx_widen == "swap" else tiles.mx_widen
     act_MF = gate_up(h_TD, row_token_M, slot_B, rows_B, experts, tiles.gu, group=group, alpha=alpha, limit=limit,
                      interpret=interpret, widen=widen)

@@ -202,7 +202,7 @@ def case_moe(fmt: str, widen: str | None) -> dict:
         dn = k(128, 64, 4, 2) if INTERPRET else k(256, 64, 4, 3)
         mosaic = MoeTiles("prefill", bm=128, gu=k(128, 64, 4, 3), dn=dn, group=2, backend="mosaic")
     elif widen == "swap":
-        mosaic = MoeTiles("prefill", bm=128, gu=k(128, 128, 4, 2), dn=k(128, 128, 4, 3), group=1, backend="mosaic",
+        mosaic = MoeTiles("prefill", bm=128, gu=k(128, 128, 4, 2), dn=k(128, 128, 4, 2), group=1, backend="mosaic",
                           mx_widen="swap")
     else:
         mosaic = MoeTiles("prefill", bm=128, gu=k(64, 128, 4, 2), dn=k(128, 128, 4, 2), group=1, backend="mosaic",

@@ -542,3 +542,16 @@ def test_tile_table_covers_m3() -> None:
     assert pick_tiles(1, "mxfp8").dn.split == 2 and pick_tiles(8, "mxfp8").dn.split == 1  # one token: split K
     assert fit_tiles(INTERPRET_TILES, 64, 48, "mxfp4") is None  # K % 128 != 0: the dispatch falls back
     assert ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max == mx.E4M3_MAX
+
+
+def test_mosaic_table_only_where_the_device_runs_it() -> None:
+    """MXFP8 prefill takes the Mosaic GPU entry when the caller says the device runs it; every other regime and
+    format keeps the Triton table, and on this CPU `kernel_tiles` never asks for it."""
+    from pallas_kernels.moe.tiles import GPU_TABLE, MOSAIC_TABLE, pick_tiles
+
+    assert pick_tiles(8192, "mxfp8", mosaic=True) == MOSAIC_TABLE[("prefill", "mxfp8")]
+    assert pick_tiles(8192, "mxfp8") == GPU_TABLE[("prefill", "mxfp8")]
+    assert pick_tiles(8192, "dense", mosaic=True) == GPU_TABLE[("prefill", "dense")]
+    assert pick_tiles(64, "mxfp8", mosaic=True) == GPU_TABLE[("decode", "mxfp8")]
+    p = prepare_moe(moe_params(13), "mxfp8", keep_reference=False)
+    assert kernel.kernel_tiles(8192, p["experts"]).backend == "triton"

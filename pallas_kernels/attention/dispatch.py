@@ -28,6 +28,7 @@ from pallas_kernels.attention import reference as _ref
 from pallas_kernels.attention import tuning
 from pallas_kernels.attention.kv_write import write_pages_pallas, write_pages_xla
 from pallas_kernels.choice import IMPLS
+from pallas_kernels.device import wgmma_device
 from pallas_kernels.msa import kernel as _msa_kernel
 from pallas_kernels.msa import kernel_mgpu as _msa_kernel_mgpu
 from pallas_kernels.msa import reference as _msa_ref
@@ -56,7 +57,7 @@ def mosaic_for(op: str, heads: int, dim: int, page_size: int, *, interpret: bool
     """Whether the tile table may pick op's Mosaic GPU kernel ("dense", "index", "sparse"): compiled (not
     interpreted), on a device that runs them, at shapes the kernel takes (`heads`: heads per KV group, index heads
     for "index"; `dim`: their head dim)."""
-    if interpret or not tuning.wgmma_device():
+    if interpret or not wgmma_device():
         return False
     if op == "dense":
         return _kernel_mgpu.supports(heads, dim, page_size, min(128, page_size))

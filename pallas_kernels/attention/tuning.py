@@ -9,9 +9,6 @@ same tiles so CI runs the code the GPU runs.
 from __future__ import annotations
 
 import dataclasses
-import functools
-
-import jax
 
 # Below this many new rows a step's K / V / index-K write stays an XLA scatter, from it on the Pallas row store:
 # 64 rows 10.3 vs 14.6 us, 8192 rows 41.0 vs 15.3 us (32 writes in one jitted loop, 8.6 GB pool); the threshold
@@ -78,13 +75,6 @@ class AttentionTiles:
     # Block-sparse union (block_major 0): "mosaic" is msa/sparse_mgpu.py, query blocks of 64 rows / heads per
     # group tokens whose two compute warpgroups take alternate pages; an even `num_stages`.
     backend: str = "triton"
-
-
-@functools.cache
-def wgmma_device() -> bool:
-    """Whether the default device runs the Mosaic GPU kernels (warp-specialised wgmma): a Hopper (sm_90) GPU."""
-    d = jax.devices()[0]
-    return d.platform == "gpu" and str(getattr(d, "compute_capability", "")) == "9.0"
 
 
 def pow2_at_least(x: int) -> int:

@@ -37,6 +37,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import mx
+from pallas_kernels.device import wgmma_device
 from pallas_kernels.moe import kernel_mgpu, layout
 from pallas_kernels.moe.reference import dense_mlp, route, swiglu_oai
 from pallas_kernels.moe.tiles import KernelTiles, MoeTiles, block_and_tile, fill_shard, fit_tiles, pick_tiles
@@ -436,6 +437,10 @@ def kernel_tiles(num_tokens: int, experts: dict, *, tiles: MoeTiles | None = Non
     gate = layout.weight_arrays(experts, "gate")
     d_model = gate[1].shape[-2] * layout.MX_GROUP if fmt != "dense" else gate[0].shape[-2]
     d_ff = gate[0].shape[-1]
+    if tiles is None and not interpret and wgmma_device() and layout.WIDE_SCALES not in experts:
+        mosaic = pick_tiles(num_tokens, fmt, mosaic=True)
+        if mosaic.backend == "mosaic" and fit_tiles(mosaic, d_model, d_ff, fmt) == mosaic:
+            return mosaic  # its entry takes the layer's shapes as they stand (the Mosaic tiles are not resized)
     tiles = tiles or pick_tiles(num_tokens, fmt, interpret=interpret)
     if tiles.backend == "mosaic" and fmt not in ("dense", "mxfp8"):
         raise ValueError(f"the Mosaic GPU MoE kernels take bf16 or MXFP8 experts, not {fmt}")

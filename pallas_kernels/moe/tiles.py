@@ -152,6 +152,18 @@ GPU_TABLE: dict[tuple[str, str], MoeTiles] = {
                                    dn=_K(bn=128, bk=128, warps=8, stages=4), group=16, mx_mode="expand_asm",
                                    tail_heights=(32, 64), mx_rows=64),
 }
+# The Mosaic GPU kernels (kernel_mgpu.py), where the device runs them (`device.wgmma_device`) and the entry takes the
+# layer's shapes as it stands (`kernel.kernel_tiles`). MXFP8 prefill: gate_up with wgmma's operands swapped (the
+# weights widened in registers as the A operand), down reading its act^T ("split" widening). T = 8192, H100, same
+# run: 12.83 ms (kernel-busy 12.71) against 20.21 ms (18.56) for the Triton entry above and 10.45 ms (10.28) for
+# bf16 experts (benchmarks/results/moe-mosaic-mx-h100-fc8ba0f.json); equal to the Triton kernels and the
+# reference on the GPU (mosaic-check-h100-fc8ba0f.json).
+MOSAIC_TABLE: dict[tuple[str, str], MoeTiles] = {
+    ("prefill", "mxfp8"): MoeTiles("prefill", bm=128, gu=_K(bn=128, bk=128, warps=4, stages=2),
+                                   dn=_K(bn=128, bk=128, warps=4, stages=2), group=1, backend="mosaic",
+                                   mx_widen="swap"),
+}
+
 # MXFP4 widens by the same inline-PTX scheme (layout.widening_ptx; a few more bit ops per pair) from the same
 # 16-bit words, so it starts from the MXFP8 entries. Its words hold 32-element runs: 32-row pieces only.
 for _reg in ("decode", "mid", "prefill"):
@@ -212,13 +224,14 @@ def regime(num_tokens: int) -> str:
     return "mid" if num_tokens <= MID_MAX_T else "prefill"
 
 
-def pick_tiles(num_tokens: int, fmt: str, *, interpret: bool = False) -> MoeTiles:
-    """Tiles for `num_tokens` rows of `fmt` weights ("bf16" | "mxfp8" | "mxfp4")."""
+def pick_tiles(num_tokens: int, fmt: str, *, interpret: bool = False, mosaic: bool = False) -> MoeTiles:
+    """Tiles for `num_tokens` rows of `fmt` weights ("bf16" | "mxfp8" | "mxfp4"); `mosaic`: MOSAIC_TABLE's entry
+    where it has one (the caller says the device runs them)."""
     if interpret:
         tiles = INTERPRET_TILES
     else:
         reg = regime(num_tokens)
-        tiles = GPU_TABLE.get((reg, fmt), GPU_TABLE[(reg, "dense")])
+        tiles = (mosaic and MOSAIC_TABLE.get((reg, fmt))) or GPU_TABLE.get((reg, fmt), GPU_TABLE[(reg, "dense")])
         if num_tokens == 1 and fmt in SINGLE_TOKEN_DOWN_SPLIT:
             tiles = tiles.replace(dn=dataclasses.replace(tiles.dn, split=SINGLE_TOKEN_DOWN_SPLIT[fmt]))
     if fmt != "dense" and tiles.gu.bk % 128:

@@ -301,7 +301,7 @@ MOSAIC_MX_TILES = MOSAIC_TILES.replace(gu=KernelTiles(bn=64, bk=128, warps=4, st
                                       dn=KernelTiles(bn=128, bk=128, warps=4, stages=2))
 
 
-@pytest.mark.parametrize("widen", ["split", "each", "swap"])
+@pytest.mark.parametrize("widen", ["split", "each", "swap", "swap_down"])
 def test_mosaic_mxfp8_kernels_equal_triton_kernels(widen: str) -> None:
     """MXFP8 experts through the Mosaic GPU kernels (each 128-deep K group widened once into a bf16 tile in
     shared memory, then one wgmma), in jax's GPU interpreter, against the Triton kernels on the same words and
@@ -309,7 +309,8 @@ def test_mosaic_mxfp8_kernels_equal_triton_kernels(widen: str) -> None:
     scales (a block of tiny weights, one near e4m3's top) so that every scale byte of a word and subnormal e4m3
     codes are exercised. "split": the two compute warpgroups widen one half each into a shared, double-buffered
     tile (a barrier a step); "each": each widens the whole step for itself; "swap": wgmma's operands swapped,
-    each warpgroup widening its own 64 columns into registers (in the interpreter, through shared memory)."""
+    each warpgroup widening its own 64 columns into registers (in the interpreter, through shared memory);
+    "swap_down": down swapped too, its y stored transposed by the epilogue."""
     params = moe_params(13, bias=bias_with(hot=[4], cold=[6]))
     w_gate = np.array(params["w_gate"])
     w_gate[1, 32:64, :] *= 1e-3  # K block 1 of expert 1: scale byte 1 small, codes near the subnormal range
@@ -319,7 +320,7 @@ def test_mosaic_mxfp8_kernels_equal_triton_kernels(widen: str) -> None:
     p = {k: (v.astype(jnp.bfloat16) if k in ("router", "router_bias") else v) for k, v in p.items()}
     h = hidden(14, 200, jnp.bfloat16)
     tiles = MOSAIC_MX_TILES.replace(mx_widen=widen)
-    if widen == "swap":
+    if widen.startswith("swap"):
         tiles = tiles.replace(gu=KernelTiles(bn=128, bk=128, warps=4, stages=2))
     got = kernel.moe_pallas(h, p, interpret=True, tiles=tiles, **KW)
     got = got.astype(jnp.float32)

@@ -108,15 +108,16 @@ def _widen_mxfp8_transposed(words_smem, scales_smem) -> tuple[jax.Array, jax.Arr
                  for half in range(2))
 
 
-def _store_epilogue(y, out_smem, wg, dst, count: int, keep=None) -> None:
+def _store_epilogue(y, out_smem, wg, dst, count: int, keep=None, transposed: bool = False) -> None:
     """A compute warpgroup's epilogue tile `y` out through its two shared-memory buffers, EPI_COLS columns a
-    copy: chunk c goes to `dst(c)` (a gmem ref slice), and only where `keep(c)` (a traced predicate) holds."""
+    copy: chunk c goes to `dst(c)` (a gmem ref slice), and only where `keep(c)` (a traced predicate) holds;
+    `transposed`: each chunk is stored transposed (a [64, EPI_COLS] chunk as the buffer's [EPI_COLS, 64])."""
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
     for c in range(count):
         def store(c: int = c) -> None:
             buf = out_smem.at[wg, c % 2]
             plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-            buf[...] = y[:, c * EPI_COLS:(c + 1) * EPI_COLS]
+            (buf.transpose((1, 0)) if transposed else buf)[...] = y[:, c * EPI_COLS:(c + 1) * EPI_COLS]
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(buf, dst(c))
 
@@ -290,7 +291,7 @@ def _grouped_gemm(a_MK: jax.Array, mats: tuple[tuple[jax.Array, ...], ...], slot
 
 def _grouped_gemm_swapped(b_src: jax.Array, mats: tuple[tuple[jax.Array, jax.Array], ...], slot_B: jax.Array,
                           rows_B: jax.Array, *, rows_major: bool, kt: KernelTiles, group: int, epilogue,
-                          name: str, interpret: bool) -> jax.Array:
+                          name: str, interpret: bool, out_rows_major: bool = False) -> jax.Array:
     """MXFP8 experts with wgmma's operands swapped: outT [N, M] = (a @ w)^T, computed as w^T @ a^T, so that the
     weights are the A operand and come from registers, widened there (`_widen_mxfp8_transposed`) and never
     written back to shared memory; a compute warpgroup widens only its own 64 columns (no warpgroup widens
@@ -298,7 +299,8 @@ def _grouped_gemm_swapped(b_src: jax.Array, mats: tuple[tuple[jax.Array, jax.Arr
     at most 64 pairs). `b_src`: the activations, [M, K] (`rows_major`, gate_up's gathered x) or [K, M] (down's
     input, gate_up's transposed output). Tiles: `kt.bn` (128: 64 per compute warpgroup) columns per matrix,
     128-deep K steps (one MX group), `kt.stages` steps in flight.
-    outT[j*bn:(j+1)*bn, rows of block b] = epilogue([(a[rows] @ w[s][:, j*bn:(j+1)*bn])^T for w in mats])."""
+    outT[j*bn:(j+1)*bn, rows of block b] = epilogue([(a[rows] @ w[s][:, j*bn:(j+1)*bn])^T for w in mats]).
+    `out_rows_major`: out [M, N] instead, each [64, 64] epilogue chunk stored transposed into shared memory."""
     K = mats[0][0].shape[-2] * 2
     N = mats[0][0].shape[-1]
     M = b_src.shape[0] if rows_major else b_src.shape[1]
@@ -377,9 +379,14 @@ def _grouped_gemm_swapped(b_src: jax.Array, mats: tuple[tuple[jax.Array, jax.Arr
                         run(accs)
                         y = epilogue([acc[...] for acc in accs]).astype(dt)  # [64 columns, BM rows]
                         # The rows past 64 hold pairs only in a full block.
-                        _store_epilogue(y, out_smem, wg, lambda c: o_ref.at[
-                            pl.ds(j * bn + wg * WG_ROWS, WG_ROWS), pl.ds(b * BM + c * EPI_COLS, EPI_COLS)],
-                            BM // EPI_COLS, keep=lambda c: full if c else None)
+                        if out_rows_major:
+                            dst = lambda c: o_ref.at[pl.ds(b * BM + c * EPI_COLS, EPI_COLS),  # noqa: E731
+                                                     pl.ds(j * bn + wg * WG_ROWS, WG_ROWS)]
+                        else:
+                            dst = lambda c: o_ref.at[pl.ds(j * bn + wg * WG_ROWS, WG_ROWS),  # noqa: E731
+                                                     pl.ds(b * BM + c * EPI_COLS, EPI_COLS)]
+                        _store_epilogue(y, out_smem, wg, dst, BM // EPI_COLS, keep=lambda c: full if c else None,
+                                        transposed=out_rows_major)
 
                     return None
 
@@ -394,7 +401,7 @@ def _grouped_gemm_swapped(b_src: jax.Array, mats: tuple[tuple[jax.Array, jax.Arr
     kernel.__name__ = kernel.__qualname__ = name
     return plgpu.kernel(
         kernel,
-        out_type=jax.ShapeDtypeStruct((N, M), dt),
+        out_type=jax.ShapeDtypeStruct((M, N) if out_rows_major else (N, M), dt),
         grid=(_num_sms(interpret),), grid_names=("sm",),
         num_threads=3, thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
@@ -435,15 +442,18 @@ def grouped_gemms(h_TD: jax.Array, row_token_M: jax.Array, slot_B: jax.Array, ro
     """y [M, D] = down(swiglu(gate_up(x))) over the sorted rows, as `kernel`'s two Triton kernels compute it:
     for MXFP8 experts under `tiles.mx_widen == "swap"` the swapped gate_up and a down that reads its act^T,
     else `gate_up` / `down` (bf16 experts have nothing to widen: "swap" means "each" for them)."""
-    if tiles.mx_widen == "swap" and layout.weight_format(experts) == "mxfp8":
+    if tiles.mx_widen in ("swap", "swap_down") and layout.weight_format(experts) == "mxfp8":
         actT_FM = gate_up_swapped(h_TD, row_token_M, slot_B, rows_B, experts, tiles.gu, group=group, alpha=alpha,
                                   limit=limit, interpret=interpret)
+        if tiles.mx_widen == "swap_down":
+            return down_swapped(actT_FM, slot_B, rows_B, experts, tiles.dn, group=group, interpret=interpret,
+                                out_rows_major=True)
         # down reads act^T as it stands ("split" widening) and writes y [M, D]. `down_swapped` writes y^T, and
         # XLA folds its transpose into the combine's gather, which then reads y^T column by column (8k tokens,
         # H100: a 4.06 ms combine against 0.23 ms; rev 5d34121, benchmarks/results/moe-mosaic-mx-h100-5d34121.json).
         return down(actT_FM, slot_B, rows_B, experts, tiles.dn, group=group, interpret=interpret, widen="split",
                     act_transposed=True)
-    widen = "each" if tiles.mx_widen == "swap" else tiles.mx_widen
+    widen = "each" if tiles.mx_widen.startswith("swap") else tiles.mx_widen
     act_MF = gate_up(h_TD, row_token_M, slot_B, rows_B, experts, tiles.gu, group=group, alpha=alpha, limit=limit,
                      interpret=interpret, widen=widen)
     return down(act_MF, slot_B, rows_B, experts, tiles.dn, group=group, interpret=interpret, widen=widen)
@@ -464,11 +474,12 @@ def gate_up_swapped(h_TD: jax.Array, row_token_M: jax.Array, slot_B: jax.Array, 
 
 
 def down_swapped(actT_FM: jax.Array, slot_B: jax.Array, rows_B: jax.Array, experts: dict, kt: KernelTiles, *,
-                 group: int, interpret: bool = False) -> jax.Array:
-    """yT [D, M] = (act @ down[slot])^T from `gate_up_swapped`'s actT (MXFP8 experts)."""
+                 group: int, interpret: bool = False, out_rows_major: bool = False) -> jax.Array:
+    """yT [D, M] = (act @ down[slot])^T from `gate_up_swapped`'s actT (MXFP8 experts); y [M, D] with
+    `out_rows_major`."""
     fmt, mats = _mats(experts, ("down",))
     if fmt != "mxfp8":
         raise ValueError(f"the swapped Mosaic GPU MoE kernels take MXFP8 experts, not {fmt}")
     return _grouped_gemm_swapped(actT_FM, mats, slot_B, rows_B, rows_major=False, kt=kt, group=group,
                                  epilogue=lambda vals: vals[0], name="moe_down_mxfp8_mgpu_swapped",
-                                 interpret=interpret)
+                                 interpret=interpret, out_rows_major=out_rows_major)

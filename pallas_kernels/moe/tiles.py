@@ -77,10 +77,11 @@ class MoeTiles:
     # compute warpgroups; `warps` is unused, bn / bk / stages / group mean what they mean for Triton).
     backend: str = "triton"
     # Mosaic GPU, MXFP8 experts: how the two compute warpgroups widen a step's weights (kernel_mgpu._grouped_gemm):
-    # "each", each the whole step into a tile of its own (checked on the GPU); "split", each half into one shared
-    # tile; "swap", wgmma's operands swapped so that each widens its own 64 columns into registers, never into
-    # shared memory (bn = 128, transposed intermediate; kernel_mgpu._grouped_gemm_swapped). "split" and "swap"
-    # are interpreter-checked only, so not the default until a GPU run checks and times them.
+    # "each", each the whole step into a tile of its own; "split", each half into one shared tile; "swap",
+    # gate_up with wgmma's operands swapped so that each widens its own 64 columns into registers, never into
+    # shared memory (bn = 128, act^T out; kernel_mgpu._grouped_gemm_swapped), down reading act^T with "split";
+    # "swap_down": down swapped too, its epilogue storing y transposed back to [M, D]. All GPU-checked
+    # (benchmarks/check_mosaic.py) but "swap_down".
     mx_widen: str = "each"
 
     def __post_init__(self) -> None:
@@ -88,7 +89,7 @@ class MoeTiles:
         assert list(h) == sorted(set(h)) and all(0 < x < self.bm and x & (x - 1) == 0 for x in h), h
         assert self.mx_rows in (32, 64), self.mx_rows
         assert self.backend in ("triton", "mosaic"), self.backend
-        assert self.mx_widen in ("split", "each", "swap"), self.mx_widen
+        assert self.mx_widen in ("split", "each", "swap", "swap_down"), self.mx_widen
         if self.backend == "mosaic":
             assert self.bm == 128 and self.gu.split == self.dn.split == 1 and not self.tail_heights, self
 

@@ -80,16 +80,13 @@ def candidates(T: int, fmt: str) -> list[MoeTiles]:
         # (32 KB per matrix, 128 columns and warpgroup) and 32 KB of epilogue buffers; what fits the H200's
         # 227 KB (checked by tests/test_triton_lowering.py's Mosaic lowering): gate_up 64 columns at 2 stages,
         # down 128 columns at 2 stages or 64 at 3-4.
-        # "swap" (gate_up with wgmma's operands swapped: each compute warpgroup widens its own 64 columns into
-        # registers, the A operand, nothing goes back to shared memory; 128 columns at 2 stages; down reads its
-        # act^T with "split" widening: 128 columns at 2 stages or 64 at 3; "swap_down" first: down swapped too,
-        # at 3-4 stages, its y stored transposed), then "split" (each compute warpgroup
-        # widens half a step into a shared tile), then
+        # "swap" (wgmma's operands swapped: each compute warpgroup widens its own 64 columns into registers, the
+        # A operand, nothing goes back to shared memory; 128 columns, gate_up at 2 stages, down at 3-4, its y
+        # stored transposed), then "split" (each compute warpgroup widens half a step into a shared tile), then
         # "each" (every warpgroup the whole step), whose best at T = 8192 on the H100 was group 1
         # (moe-h100-mosaic-mx-4a2c932).
-        out += [mosaic(k(128, 128, 4, 2), k(bn, 128, 4, d), group=g).replace(mx_widen=w)
-                for w, g, bn, d in (("swap_down", 1, 128, 3), ("swap_down", 1, 128, 4), ("swap", 1, 128, 2),
-                                    ("swap", 16, 128, 2), ("swap", 1, 64, 3))]
+        out += [mosaic(k(128, 128, 4, 2), k(128, 128, 4, d), group=g).replace(mx_widen="swap")
+                for g, d in ((1, 3), (1, 4), (16, 3))]
         split = [mosaic(k(64, 128, 4, 2), k(128, 128, 4, 2), group=g).replace(mx_widen="split") for g in (1, 16)]
         out += [*split, mosaic(k(64, 128, 4, 2), k(128, 128, 4, 2), group=1),
                 mosaic(k(64, 128, 4, 2), k(64, 128, 4, 3), group=1).replace(mx_widen="split")]

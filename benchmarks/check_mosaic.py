@@ -28,8 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-CASES = ("index", "dense", "sparse", "moe-bf16", "moe-mxfp8-swap", "moe-mxfp8-swap_down", "moe-mxfp8-split",
-         "moe-mxfp8-each")
+CASES = ("index", "dense", "sparse", "moe-bf16", "moe-mxfp8-swap", "moe-mxfp8-split", "moe-mxfp8-each")
 # M3's shapes on the GPU; --small: toy shapes in jax's GPU interpreter, a dry run of this script on the CPU.
 SHAPES = {"full": {"H": 64, "K": 4, "D": 128, "ps": 128, "G": 4, "Di": 128, "topk": 16,
                    "rows": [(1000, 3000), (4, 2600), (4, 700), (300, 0)], "tokens": 1344,
@@ -202,9 +201,9 @@ def case_moe(fmt: str, widen: str | None) -> dict:
     if fmt == "bf16":
         dn = k(128, 64, 4, 2) if INTERPRET else k(256, 64, 4, 3)
         mosaic = MoeTiles("prefill", bm=128, gu=k(128, 64, 4, 3), dn=dn, group=2, backend="mosaic")
-    elif widen.startswith("swap"):
-        mosaic = MoeTiles("prefill", bm=128, gu=k(128, 128, 4, 2), dn=k(128, 128, 4, 2), group=1, backend="mosaic",
-                          mx_widen=widen)
+    elif widen == "swap":
+        mosaic = MoeTiles("prefill", bm=128, gu=k(128, 128, 4, 2), dn=k(128, 128, 4, 3), group=1, backend="mosaic",
+                          mx_widen="swap")
     else:
         mosaic = MoeTiles("prefill", bm=128, gu=k(64, 128, 4, 2), dn=k(128, 128, 4, 2), group=1, backend="mosaic",
                           mx_widen=widen)

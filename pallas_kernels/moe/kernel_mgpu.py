@@ -130,7 +130,7 @@ def _store_epilogue(y, out_smem, wg, dst, count: int, keep=None, transposed: boo
 
 def _grouped_gemm(a_MK: jax.Array, mats: tuple[tuple[jax.Array, ...], ...], slot_B: jax.Array, rows_B: jax.Array,
                   *, fmt: str, kt: KernelTiles, group: int, epilogue, out_cols: int, name: str,
-                  interpret: bool, widen: str = "each", a_transposed: bool = False) -> jax.Array:
+                  interpret: bool, widen: str = "each") -> jax.Array:
     """Tiles: `kt.bn` columns per matrix (gate_up has two: gate and up), `kt.bk` K per pipeline step (128, one
     MX group, for MXFP8), `kt.stages` steps in flight (`kt.warps` does not apply: 3 warpgroups).
     `mats`: per matrix its arrays, `(w [S, K, N],)` for bf16 or `(words [S, K/2, N], scales [S, K/128, N])`.
@@ -138,10 +138,8 @@ def _grouped_gemm(a_MK: jax.Array, mats: tuple[tuple[jax.Array, ...], ...], slot
     wgmma at once; "split", warpgroup w widens half w (the low / high bytes) into one shared tile, double-buffered
     by step, and both wait on a barrier before their wgmma (half the widening, one hand-off a step).
     out[M, N_out] per row block b (slot s = slot_B[b] >= 0), tile j:
-    out[rows, j*out_cols:(j+1)*out_cols] = epilogue([a[rows] @ w[s][:, j*bn:(j+1)*bn] for w in mats]).
-    `a_transposed`: `a_MK` holds a^T [K, M] (the swapped gate_up's output), read in [bk, BM] tiles and fed to
-    wgmma as a transposed shared-memory operand."""
-    M, K = a_MK.shape[::-1] if a_transposed else a_MK.shape
+    out[rows, j*out_cols:(j+1)*out_cols] = epilogue([a[rows] @ w[s][:, j*bn:(j+1)*bn] for w in mats])."""
+    M, K = a_MK.shape
     N = mats[0][0].shape[-1]
     dt = jnp.dtype(jnp.bfloat16)
     if a_MK.dtype != dt or (fmt == "dense" and any(m[0].dtype != dt for m in mats)):
@@ -174,11 +172,7 @@ def _grouped_gemm(a_MK: jax.Array, mats: tuple[tuple[jax.Array, ...], ...], slot
         w_refs, o_ref = refs[:-1], refs[-1]
         mat_refs = [w_refs[i * per_mat:(i + 1) * per_mat] for i in range(len(mats))]
 
-        if a_transposed:
-            a_spec = plgpu.BlockSpec((bk, BM), lambda k: (k, 0), transforms=_swizzled(dt, BM),
-                                     memory_space=plgpu.SMEM)
-        else:
-            a_spec = plgpu.BlockSpec((BM, bk), lambda k: (0, k), transforms=tr, memory_space=plgpu.SMEM)
+        a_spec = plgpu.BlockSpec((BM, bk), lambda k: (0, k), transforms=tr, memory_space=plgpu.SMEM)
 
         def pipeline_for(body, context):
             return plgpu.emit_pipeline_warp_specialized(
@@ -216,10 +210,7 @@ def _grouped_gemm(a_MK: jax.Array, mats: tuple[tuple[jax.Array, ...], ...], slot
                     return [w_smems[m * per_mat:(m + 1) * per_mat] for m in range(len(mats))]
 
                 def mma(accs, a_smem, b_smems):
-                    if a_transposed:
-                        a_rows = a_smem.at[:, pl.ds(wg * WG_ROWS, WG_ROWS)].transpose((1, 0))
-                    else:
-                        a_rows = a_smem.at[pl.ds(wg * WG_ROWS, WG_ROWS)]
+                    a_rows = a_smem.at[pl.ds(wg * WG_ROWS, WG_ROWS)]
                     for acc, b_smem in zip(accs, b_smems, strict=True):
                         plgpu.wgmma(acc, a_rows, b_smem)
                     plgpu.wgmma_wait(0)
@@ -271,7 +262,7 @@ def _grouped_gemm(a_MK: jax.Array, mats: tuple[tuple[jax.Array, ...], ...], slot
                 @pl.when(slot >= 0)
                 def _():
                     pipeline_for(body, context)(
-                        a_ref.at[:, pl.ds(b * BM, BM)] if a_transposed else a_ref.at[pl.ds(b * BM, BM), :],
+                        a_ref.at[pl.ds(b * BM, BM), :],
                         *(r.at[slot, :, pl.ds(j * bn, bn)] for refs in mat_refs for r in refs),
                         allocations=allocs)
 
@@ -291,7 +282,7 @@ def _grouped_gemm(a_MK: jax.Array, mats: tuple[tuple[jax.Array, ...], ...], slot
 
 def _grouped_gemm_swapped(b_src: jax.Array, mats: tuple[tuple[jax.Array, jax.Array], ...], slot_B: jax.Array,
                           rows_B: jax.Array, *, rows_major: bool, kt: KernelTiles, group: int, epilogue,
-                          name: str, interpret: bool, out_rows_major: bool = False) -> jax.Array:
+                          name: str, interpret: bool) -> jax.Array:
     """MXFP8 experts with wgmma's operands swapped: outT [N, M] = (a @ w)^T, computed as w^T @ a^T, so that the
     weights are the A operand and come from registers, widened there (`_widen_mxfp8_transposed`) and never
     written back to shared memory; a compute warpgroup widens only its own 64 columns (no warpgroup widens
@@ -300,7 +291,9 @@ def _grouped_gemm_swapped(b_src: jax.Array, mats: tuple[tuple[jax.Array, jax.Arr
     input, gate_up's transposed output). Tiles: `kt.bn` (128: 64 per compute warpgroup) columns per matrix,
     128-deep K steps (one MX group), `kt.stages` steps in flight.
     outT[j*bn:(j+1)*bn, rows of block b] = epilogue([(a[rows] @ w[s][:, j*bn:(j+1)*bn])^T for w in mats]).
-    `out_rows_major`: out [M, N] instead, each [64, 64] epilogue chunk stored transposed into shared memory."""
+    down (`rows_major` False, its input gate_up's output) writes out [M, N] instead: each [64, 64] epilogue chunk
+    is stored transposed into shared memory, so that no transpose is left to XLA."""
+    out_rows_major = not rows_major
     K = mats[0][0].shape[-2] * 2
     N = mats[0][0].shape[-1]
     M = b_src.shape[0] if rows_major else b_src.shape[1]
@@ -428,32 +421,27 @@ def gate_up(h_TD: jax.Array, row_token_M: jax.Array, slot_B: jax.Array, rows_B: 
 
 
 def down(act_MF: jax.Array, slot_B: jax.Array, rows_B: jax.Array, experts: dict, kt: KernelTiles, *,
-         group: int, interpret: bool = False, widen: str = "each", act_transposed: bool = False) -> jax.Array:
-    """y [M, D] = act @ down[slot] as `kernel.down` computes it (bf16 or MXFP8 experts, no split K);
-    `act_transposed`: act_MF holds act^T [F, M] (`gate_up_swapped`'s output)."""
+         group: int, interpret: bool = False, widen: str = "each") -> jax.Array:
+    """y [M, D] = act @ down[slot] as `kernel.down` computes it (bf16 or MXFP8 experts, no split K)."""
     fmt, mats = _mats(experts, ("down",))
     return _grouped_gemm(act_MF, mats, slot_B, rows_B, fmt=fmt, kt=kt, group=group, epilogue=lambda vals: vals[0],
-                         out_cols=kt.bn, name=f"moe_down_{fmt}_mgpu", interpret=interpret, widen=widen,
-                         a_transposed=act_transposed)
+                         out_cols=kt.bn, name=f"moe_down_{fmt}_mgpu", interpret=interpret, widen=widen)
 
 
 def grouped_gemms(h_TD: jax.Array, row_token_M: jax.Array, slot_B: jax.Array, rows_B: jax.Array, experts: dict,
                   tiles: MoeTiles, *, group: int, alpha: float, limit: float, interpret: bool = False) -> jax.Array:
     """y [M, D] = down(swiglu(gate_up(x))) over the sorted rows, as `kernel`'s two Triton kernels compute it:
-    for MXFP8 experts under `tiles.mx_widen == "swap"` the swapped gate_up and a down that reads its act^T,
+    for MXFP8 experts under `tiles.mx_widen == "swap"` the swapped kernels (down's y stored transposed),
     else `gate_up` / `down` (bf16 experts have nothing to widen: "swap" means "each" for them)."""
-    if tiles.mx_widen in ("swap", "swap_down") and layout.weight_format(experts) == "mxfp8":
+    if tiles.mx_widen == "swap" and layout.weight_format(experts) == "mxfp8":
         actT_FM = gate_up_swapped(h_TD, row_token_M, slot_B, rows_B, experts, tiles.gu, group=group, alpha=alpha,
                                   limit=limit, interpret=interpret)
-        if tiles.mx_widen == "swap_down":
-            return down_swapped(actT_FM, slot_B, rows_B, experts, tiles.dn, group=group, interpret=interpret,
-                                out_rows_major=True)
-        # down reads act^T as it stands ("split" widening) and writes y [M, D]. `down_swapped` writes y^T, and
-        # XLA folds its transpose into the combine's gather, which then reads y^T column by column (8k tokens,
-        # H100: a 4.06 ms combine against 0.23 ms; rev 5d34121, benchmarks/results/moe-mosaic-mx-h100-5d34121.json).
-        return down(actT_FM, slot_B, rows_B, experts, tiles.dn, group=group, interpret=interpret, widen="split",
-                    act_transposed=True)
-    widen = "each" if tiles.mx_widen.startswith("swap") else tiles.mx_widen
+        # down's epilogue stores y transposed back to [M, D]. Left as y^T, XLA folded its transpose into the
+        # combine's gather, which then read y^T column by column (8k tokens, H100: a 4.06 ms combine against 0.23;
+        # benchmarks/results/moe-mosaic-mx-h100-5d34121.json); down reading act^T as a transposed operand instead
+        # took 5.5 ms against 3.7 (moe-mosaic-mx-h100-8aad53c.json).
+        return down_swapped(actT_FM, slot_B, rows_B, experts, tiles.dn, group=group, interpret=interpret)
+    widen = "each" if tiles.mx_widen == "swap" else tiles.mx_widen
     act_MF = gate_up(h_TD, row_token_M, slot_B, rows_B, experts, tiles.gu, group=group, alpha=alpha, limit=limit,
                      interpret=interpret, widen=widen)
     return down(act_MF, slot_B, rows_B, experts, tiles.dn, group=group, interpret=interpret, widen=widen)
@@ -474,12 +462,12 @@ def gate_up_swapped(h_TD: jax.Array, row_token_M: jax.Array, slot_B: jax.Array, 
 
 
 def down_swapped(actT_FM: jax.Array, slot_B: jax.Array, rows_B: jax.Array, experts: dict, kt: KernelTiles, *,
-                 group: int, interpret: bool = False, out_rows_major: bool = False) -> jax.Array:
-    """yT [D, M] = (act @ down[slot])^T from `gate_up_swapped`'s actT (MXFP8 experts); y [M, D] with
-    `out_rows_major`."""
+                 group: int, interpret: bool = False) -> jax.Array:
+    """y [M, D] = act @ down[slot] from `gate_up_swapped`'s actT (MXFP8 experts): computed as y^T, stored
+    transposed by the epilogue."""
     fmt, mats = _mats(experts, ("down",))
     if fmt != "mxfp8":
         raise ValueError(f"the swapped Mosaic GPU MoE kernels take MXFP8 experts, not {fmt}")
     return _grouped_gemm_swapped(actT_FM, mats, slot_B, rows_B, rows_major=False, kt=kt, group=group,
                                  epilogue=lambda vals: vals[0], name="moe_down_mxfp8_mgpu_swapped",
-                                 interpret=interpret, out_rows_major=out_rows_major)
+                                 interpret=interpret)

@@ -78,10 +78,9 @@ class MoeTiles:
     backend: str = "triton"
     # Mosaic GPU, MXFP8 experts: how the two compute warpgroups widen a step's weights (kernel_mgpu._grouped_gemm):
     # "each", each the whole step into a tile of its own; "split", each half into one shared tile; "swap",
-    # gate_up with wgmma's operands swapped so that each widens its own 64 columns into registers, never into
-    # shared memory (bn = 128, act^T out; kernel_mgpu._grouped_gemm_swapped), down reading act^T with "split";
-    # "swap_down": down swapped too, its epilogue storing y transposed back to [M, D]. All GPU-checked
-    # (benchmarks/check_mosaic.py) but "swap_down".
+    # wgmma's operands swapped so that each widens its own 64 columns into registers, never into shared memory
+    # (bn = 128; gate_up writes act^T, down reads it as it stands and its epilogue stores y transposed back to
+    # [M, D]; kernel_mgpu._grouped_gemm_swapped). All GPU-checked (benchmarks/check_mosaic.py).
     mx_widen: str = "each"
 
     def __post_init__(self) -> None:
@@ -89,7 +88,7 @@ class MoeTiles:
         assert list(h) == sorted(set(h)) and all(0 < x < self.bm and x & (x - 1) == 0 for x in h), h
         assert self.mx_rows in (32, 64), self.mx_rows
         assert self.backend in ("triton", "mosaic"), self.backend
-        assert self.mx_widen in ("split", "each", "swap", "swap_down"), self.mx_widen
+        assert self.mx_widen in ("split", "each", "swap"), self.mx_widen
         if self.backend == "mosaic":
             assert self.bm == 128 and self.gu.split == self.dn.split == 1 and not self.tail_heights, self
 
@@ -154,14 +153,15 @@ GPU_TABLE: dict[tuple[str, str], MoeTiles] = {
                                    tail_heights=(32, 64), mx_rows=64),
 }
 # The Mosaic GPU kernels (kernel_mgpu.py), where the device runs them (`device.wgmma_device`) and the entry takes the
-# layer's shapes as it stands (`kernel.kernel_tiles`). MXFP8 prefill: gate_up with wgmma's operands swapped (the
-# weights widened in registers as the A operand), down reading its act^T ("split" widening). T = 8192, H100, same
-# run: 12.83 ms (kernel-busy 12.71) against 20.21 ms (18.56) for the Triton entry above and 10.45 ms (10.28) for
-# bf16 experts (benchmarks/results/moe-mosaic-mx-h100-fc8ba0f.json); equal to the Triton kernels and the
-# reference on the GPU (mosaic-check-h100-fc8ba0f.json).
+# layer's shapes as it stands (`kernel.kernel_tiles`). MXFP8 prefill: "swap", the weights widened in registers as
+# wgmma's A operand, down at 3 stages. T = 8192, H100: 11.28 ms (kernel-busy 11.13) against 20.07 ms (18.56) for
+# the Triton entry above in the same run (benchmarks/results/moe-mosaic-mx-h100-8aad53c.json, where it is
+# "swap_down"), and 10.16-10.45 ms for bf16 experts in three earlier runs (-5da6a56, -5d34121, -fc8ba0f):
+# 1.08-1.11x.
+# Equal to the Triton kernels and the reference on the GPU (mosaic-check-h100-8aad53c.json).
 MOSAIC_TABLE: dict[tuple[str, str], MoeTiles] = {
     ("prefill", "mxfp8"): MoeTiles("prefill", bm=128, gu=_K(bn=128, bk=128, warps=4, stages=2),
-                                   dn=_K(bn=128, bk=128, warps=4, stages=2), group=1, backend="mosaic",
+                                   dn=_K(bn=128, bk=128, warps=4, stages=3), group=1, backend="mosaic",
                                    mx_widen="swap"),
 }
 

@@ -79,6 +79,56 @@ def row_positions(pos_ref, t0: jax.Array, first: jax.Array, n: jax.Array, *, row
     return jnp.max(pos_2d, axis=1), min_pos
 
 
+def scores(qo, k_tile, kt: int, take_turn) -> jax.Array:
+    """S = q k^T of one key step [64, kt] in fp32; the compute warpgroups' turn is taken once its wgmma is
+    issued (as jax's attention_mgpu does)."""
+    def qk(acc_ref):
+        plgpu.wgmma(acc_ref, qo, k_tile.transpose((1, 0)))
+        take_turn()
+        return acc_ref[...]
+
+    return pl.run_scoped(qk, plgpu.ACC((WG_ROWS, kt), jnp.float32))
+
+
+def softmax_and_pv(s_: jax.Array, carry: tuple, c: float, *, v_tile, v_loaded, turn, p_tile, after_pv,
+                   interpret: bool) -> tuple:
+    """One key step of the online softmax over masked scores `s_` (base 2: the running max m is kept in units of
+    c * score, p = 2^(c s - m)) and P @ V into the accumulator, P staying in registers as wgmma's A operand.
+    `carry`: (acc, m, l). The turn is handed over once the softmax is done and taken back before P @ V;
+    `after_pv()` runs once P @ V is issued (the next step's K wait). In the interpreter (`p_tile`: a shared tile),
+    which runs wgmma from shared memory only and has no rule for run_state, P goes through shared memory and
+    P @ V into a fresh accumulator added to acc (the same sum, rounded once more)."""
+    acc, m_i, l_i = carry
+    m_new = jnp.maximum(m_i, s_.max(axis=1) * c)
+    alpha = jnp.exp2(m_i - m_new)
+    p = jnp.exp2(s_ * c - per_row(m_new, s_.shape[1]))
+    acc = acc * per_row(alpha, acc.shape[1])
+    l_i = l_i * alpha + p.sum(axis=1)
+    p16 = p.astype(v_tile.dtype)
+    acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
+    plgpu.barrier_arrive(turn)  # softmax done
+    plgpu.barrier_wait(v_loaded)
+    plgpu.barrier_wait(turn)  # the tensor cores are free
+
+    def pv(acc_ref):
+        plgpu.wgmma(acc_ref, p16, v_tile)
+        after_pv()
+
+    if interpret:
+        p_tile[...] = p16
+        plgpu.commit_smem()
+        p16 = p_tile
+
+        def pv_fresh(acc_ref):
+            pv(acc_ref)
+            return acc_ref[...]
+
+        acc = acc + pl.run_scoped(pv_fresh, plgpu.ACC((WG_ROWS, acc.shape[1]), jnp.float32))
+    else:
+        acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+    return acc, m_new, l_i
+
+
 def stream_pages(load, num_steps: jax.Array, stages: int, used: tuple) -> None:
     """The memory warpgroup's loop: `load(step, slot)` for every step, `stages` ahead of the compute warpgroups,
     a slot reloaded once its `used` barriers say both have read it; the last steps' releases are waited for too,
@@ -144,54 +194,22 @@ def _kernel(start_ref, length_ref, row_ref, max_pos_ref, page_table_ref, pos_ref
         pl.when(wg == 1)(take_turn)
 
         def step(s, carry, masked: bool):
-            acc, m_i, l_i = carry
             slot = lax.rem(s, stages)
-
-            def qk(acc_ref):
-                plgpu.wgmma(acc_ref, qo, k_smem.at[slot].transpose((1, 0)))
-                take_turn()
-                return acc_ref[...]
-
-            s_ = pl.run_scoped(qk, plgpu.ACC((WG_ROWS, kt), jnp.float32))
+            s_ = scores(qo, k_smem.at[slot], kt, take_turn)
             plgpu.barrier_arrive(k_used.at[slot])
             if masked:
                 key0 = s * kt  # pages are read in logical order: step s holds keys s*kt ..
                 kpos = plgpu.broadcasted_iota(jnp.int32, (WG_ROWS, kt), 1, layout=plgpu.Layout.WGMMA) + key0
                 s_ = jnp.where(kpos <= per_row(pos_row, s_.shape[1]), s_, -jnp.inf)
-            m_new = jnp.maximum(m_i, s_.max(axis=1) * c)
-            alpha = jnp.exp2(m_i - m_new)
-            p = jnp.exp2(s_ * c - per_row(m_new, s_.shape[1]))
-            acc = acc * per_row(alpha, acc.shape[1])
-            l_i = l_i * alpha + p.sum(axis=1)
-            p16 = p.astype(v_smem.dtype)
-            acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
-            plgpu.barrier_arrive(turn)  # softmax done
-            plgpu.barrier_wait(v_loaded.at[slot])
-            plgpu.barrier_wait(turn)  # the tensor cores are free
 
-            def pv(acc_ref):
-                plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+            def next_k():
+                pl.when(s + 1 < num_steps)(lambda: plgpu.barrier_wait(k_loaded.at[lax.rem(s + 1, stages)]))
 
-                @pl.when(s + 1 < num_steps)
-                def _():
-                    plgpu.barrier_wait(k_loaded.at[lax.rem(s + 1, stages)])
-
-            if interpret:
-                # The interpreter runs wgmma from shared memory only, and has no rule for run_state: P goes through
-                # shared memory, and P @ V into a fresh accumulator added to acc (the same sum, rounded once more).
-                p_smem2.at[wg][...] = p16
-                plgpu.commit_smem()
-                p16 = p_smem2.at[wg]
-
-                def pv_fresh(acc_ref):
-                    pv(acc_ref)
-                    return acc_ref[...]
-
-                acc = acc + pl.run_scoped(pv_fresh, plgpu.ACC((WG_ROWS, D), jnp.float32))
-            else:
-                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+            carry = softmax_and_pv(s_, carry, c, v_tile=v_smem.at[slot], v_loaded=v_loaded.at[slot], turn=turn,
+                                   p_tile=p_smem2.at[wg] if interpret else None, after_pv=next_k,
+                                   interpret=interpret)
             plgpu.barrier_arrive(v_used.at[slot])
-            return acc, m_new, l_i
+            return carry
 
         carry = lax.fori_loop(0, whole_steps, functools.partial(step, masked=False), (acc, m_i, l_i))
         acc, m_i, l_i = lax.fori_loop(whole_steps, num_steps, functools.partial(step, masked=True), carry)

@@ -38,6 +38,8 @@ from pallas_kernels.attention.kernel_mgpu import (
     heaviest_first,
     per_row,
     row_positions,
+    scores,
+    softmax_and_pv,
     stream_pages,
 )
 
@@ -105,7 +107,6 @@ def _kernel(start_ref, length_ref, row_ref, page_table_ref, pos_ref, list_ref, o
         pl.when(wg == 1)(take_turn)
 
         def step(j, carry):
-            acc, m_i, l_i = carry
             s = 2 * j + wg
             slot = lax.rem(s, stages)
             entry, key0 = step_page(s)
@@ -113,49 +114,22 @@ def _kernel(start_ref, length_ref, row_ref, page_table_ref, pos_ref, list_ref, o
             key0 = list_ref[qb, g, entry] * ps + key0
             if not ahead:
                 plgpu.barrier_wait(k_loaded.at[slot])
-
-            def qk(acc_ref):
-                plgpu.wgmma(acc_ref, qo, k_smem.at[slot].transpose((1, 0)))
-                take_turn()
-                return acc_ref[...]
-
-            s_ = pl.run_scoped(qk, plgpu.ACC((WG_ROWS, kt), jnp.float32))
+            s_ = scores(qo, k_smem.at[slot], kt, take_turn)
             plgpu.barrier_arrive(k_used.at[slot])
             # A row sees a key when its token owns the block and the key is not past the token's position.
             limit = jnp.where((tok_bit & owners) != 0, pos_row, -1)
             kpos = plgpu.broadcasted_iota(jnp.int32, (WG_ROWS, kt), 1, layout=plgpu.Layout.WGMMA) + key0
             s_ = jnp.where(kpos <= per_row(limit, kt), s_, -jnp.inf)
-            m_new = jnp.maximum(m_i, s_.max(axis=1) * c)
-            alpha = jnp.exp2(m_i - m_new)
-            p = jnp.exp2(s_ * c - per_row(m_new, kt))
-            acc = acc * per_row(alpha, D)
-            l_i = l_i * alpha + p.sum(axis=1)
-            p16 = p.astype(v_smem.dtype)
-            acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
-            plgpu.barrier_arrive(turn)  # softmax done
-            plgpu.barrier_wait(v_loaded.at[slot])
-            plgpu.barrier_wait(turn)  # the tensor cores are free
 
-            def pv(acc_ref):
-                plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
-
+            def next_k():
                 if ahead:
                     pl.when(s + 2 < num_steps)(lambda: plgpu.barrier_wait(k_loaded.at[lax.rem(s + 2, stages)]))
 
-            if interpret:  # as attention/kernel_mgpu.py: P through shared memory, P @ V into a fresh accumulator
-                p_smem2.at[wg][...] = p16
-                plgpu.commit_smem()
-                p16 = p_smem2.at[wg]
-
-                def pv_fresh(acc_ref):
-                    pv(acc_ref)
-                    return acc_ref[...]
-
-                acc = acc + pl.run_scoped(pv_fresh, plgpu.ACC((WG_ROWS, D), jnp.float32))
-            else:
-                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+            carry = softmax_and_pv(s_, carry, c, v_tile=v_smem.at[slot], v_loaded=v_loaded.at[slot], turn=turn,
+                                   p_tile=p_smem2.at[wg] if interpret else None, after_pv=next_k,
+                                   interpret=interpret)
             plgpu.barrier_arrive(v_used.at[slot])
-            return acc, m_new, l_i
+            return carry
 
         acc, m_i, l_i = lax.fori_loop(0, num_steps // 2, step, (acc, m_i, l_i))
         pl.when(wg == 0)(take_turn)

@@ -237,6 +237,26 @@ def _kernel(start_ref, length_ref, row_ref, max_pos_ref, page_table_ref, pos_ref
         stream_pages(load, num_steps, stages, (k_used, v_used))
 
 
+def smem_tiles(D: int, kt: int, stages: int, dt, interpret: bool) -> list:
+    """The attention kernels' shared tiles: each compute warpgroup's Q (then output) rows, the K and V rings, and
+    in the interpreter each warpgroup's P tile."""
+    tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))  # 64 bf16 = one 128-byte swizzle
+    return [plgpu.SMEM((2, WG_ROWS, D), dt, transforms=tiled),
+            plgpu.SMEM((stages, kt, D), dt, transforms=tiled),
+            plgpu.SMEM((stages, kt, D), dt, transforms=tiled),
+            plgpu.SMEM((2, WG_ROWS, kt), dt, transforms=tiled) if interpret else None]
+
+
+def launch(entry, name: str, out_type, num_blocks: int, num_groups: int, interpret: bool):
+    """The attention kernels' launch: one program per (query block "qb", KV group "g"), 3 warpgroups "wg" (two
+    compute, one memory), fast approximate exp2; `name` is how the kernel shows in profiles."""
+    entry.__name__ = entry.__qualname__ = name
+    return plgpu.kernel(
+        entry, out_type=out_type, grid=(num_blocks, num_groups), grid_names=("qb", "g"),
+        num_threads=3, thread_name="wg", compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=plgpu.InterpretGPUParams() if interpret else None)
+
+
 def paged_dense_attention(q_THD: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table_RP: jax.Array,
                           token_row_T: jax.Array, pos_T: jax.Array, scale: float, *, key_tile: int, stages: int,
                           interpret: bool = False) -> jax.Array:
@@ -251,11 +271,7 @@ def paged_dense_attention(q_THD: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
                          f"page={ps}, key tile={kt}, stages={stages}")
     qbs = query_blocks(token_row_T, pos_T, bt=tokens_per_block(hg), num_rows=page_table_RP.shape[0])
     dt = q_THD.dtype
-    tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))  # 64 bf16 = one 128-byte swizzle
-    scratch = [plgpu.SMEM((2, WG_ROWS, D), dt, transforms=tiled),
-               plgpu.SMEM((stages, kt, D), dt, transforms=tiled),
-               plgpu.SMEM((stages, kt, D), dt, transforms=tiled),
-               plgpu.SMEM((2, WG_ROWS, kt), dt, transforms=tiled) if interpret else None]
+    scratch = smem_tiles(D, kt, stages, dt, interpret)
     tpw = WG_ROWS // hg
 
     def entry(*refs):
@@ -270,13 +286,6 @@ def paged_dense_attention(q_THD: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
             collective_axes="wg",
         )
 
-    entry.__name__ = entry.__qualname__ = "dense_paged_attention_mgpu"
-    return plgpu.kernel(
-        entry,
-        out_type=jax.ShapeDtypeStruct((T, H, D), dt),
-        grid=(qbs.num_blocks, K), grid_names=("qb", "g"),
-        num_threads=3, thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
-        interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )(qbs.start_Q, qbs.length_Q, qbs.row_Q, qbs.max_pos_Q, page_table_RP.astype(jnp.int32),
+    return launch(entry, "dense_paged_attention_mgpu", jax.ShapeDtypeStruct((T, H, D), dt), qbs.num_blocks, K,
+                  interpret)(qbs.start_Q, qbs.length_Q, qbs.row_Q, qbs.max_pos_Q, page_table_RP.astype(jnp.int32),
       pos_T.astype(jnp.int32), q_THD, k_pages, v_pages)

@@ -36,9 +36,11 @@ from pallas_kernels.attention.kernel_mgpu import (
     M_INIT,
     WG_ROWS,
     heaviest_first,
+    launch,
     per_row,
     row_positions,
     scores,
+    smem_tiles,
     softmax_and_pv,
     stream_pages,
 )
@@ -188,11 +190,7 @@ def paged_union_attention(q_THD: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
                          f"of 8, head_dim and key tiles in multiples of 64, an even number of stages: got hg={hg}, "
                          f"hd={D}, page={ps}, key tile={kt}, stages={stages}")
     dt = q_THD.dtype
-    tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))  # 64 bf16 = one 128-byte swizzle
-    scratch = [plgpu.SMEM((2, WG_ROWS, D), dt, transforms=tiled),
-               plgpu.SMEM((stages, kt, D), dt, transforms=tiled),
-               plgpu.SMEM((stages, kt, D), dt, transforms=tiled),
-               plgpu.SMEM((2, WG_ROWS, kt), dt, transforms=tiled) if interpret else None,
+    scratch = [*smem_tiles(D, kt, stages, dt, interpret),
                plgpu.SMEM((WG_ROWS, D), jnp.float32),  # warpgroup 1's accumulator, handed to warpgroup 0
                plgpu.SMEM((2, WG_ROWS), jnp.float32)]  # and its running max and sum
     tpb = WG_ROWS // hg
@@ -209,14 +207,8 @@ def paged_union_attention(q_THD: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
             collective_axes="wg",
         )
 
-    entry.__name__ = entry.__qualname__ = "sparse_union_attention_mgpu"
-    return plgpu.kernel(
-        entry,
-        out_type=jax.ShapeDtypeStruct((T, H, D), dt),
-        grid=(qbs.num_blocks, K), grid_names=("qb", "g"),
-        num_threads=3, thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
-        interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )(qbs.start_Q, qbs.length_Q, qbs.row_Q, page_table_RP.astype(jnp.int32), pos_T.astype(jnp.int32),
-      page_list_QGL.astype(jnp.int32), owners_QGL.astype(jnp.int32), count_QG.astype(jnp.int32), q_THD, k_pages,
-      v_pages)
+    call = launch(entry, "sparse_union_attention_mgpu", jax.ShapeDtypeStruct((T, H, D), dt), qbs.num_blocks, K,
+                  interpret)
+    return call(qbs.start_Q, qbs.length_Q, qbs.row_Q, page_table_RP.astype(jnp.int32), pos_T.astype(jnp.int32),
+                page_list_QGL.astype(jnp.int32), owners_QGL.astype(jnp.int32), count_QG.astype(jnp.int32), q_THD,
+                k_pages, v_pages)

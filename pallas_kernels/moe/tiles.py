@@ -157,8 +157,7 @@ GPU_TABLE: dict[tuple[str, str], MoeTiles] = {
 # wgmma's A operand, down at 3 stages. T = 8192, H100: 11.28 ms (kernel-busy 11.13) against 20.07 ms (18.56) for
 # the Triton entry above in the same run (benchmarks/results/moe-mosaic-mx-h100-8aad53c.json, where it is
 # "swap_down"), and 10.16-10.45 ms for bf16 experts in three earlier runs (-5da6a56, -5d34121, -fc8ba0f):
-# 1.08-1.11x.
-# Equal to the Triton kernels and the reference on the GPU (mosaic-check-h100-8aad53c.json).
+# 1.08-1.11x. Equal to the Triton kernels and the reference on the GPU (mosaic-check-h100-7de202a.json).
 MOSAIC_TABLE: dict[tuple[str, str], MoeTiles] = {
     ("prefill", "mxfp8"): MoeTiles("prefill", bm=128, gu=_K(bn=128, bk=128, warps=4, stages=2),
                                    dn=_K(bn=128, bk=128, warps=4, stages=3), group=1, backend="mosaic",

@@ -376,7 +376,8 @@ def main() -> None:
                     ref_times[T] = bench(functools.partial(run_reference, rp=rp), inputs[T])
                 except Exception as e:
                     log(f"reference failed at T={T}: {e}")
-            tiles = INTERPRET_TILES if args.interpret else pick_tiles(T, fmt)
+            # The table's tiles as the engine picks them on this device (the Mosaic entry on a Hopper GPU).
+            tiles = kernel.kernel_tiles(T, experts, interpret=args.interpret)
             rec = measure(T, name, experts, rp, tiles, ref_times.get(T), "moe_experts")
             if "error" in rec and fmt != "dense" and tiles.mx_mode == "expand":
                 measure(T, name, experts, rp, tiles.replace(mx_mode="subdot"), ref_times.get(T), "moe_experts")
@@ -473,7 +474,7 @@ def main() -> None:
         order = [(T, f) for T, f in order if T in args.tokens and f in sweep_fmts]
         plan = []
         for T, name in order:
-            table = [pick_tiles(T, FORMATS[name])] if args.sweep_table else []
+            table = [kernel.kernel_tiles(T, experts_by_fmt[name])] if args.sweep_table else []
             plan += [(T, name, c) for c in table + candidates(T, FORMATS[name])[:args.sweep_first]]
         for T, name, c in plan:
             if time.perf_counter() - T0 > args.deadline:

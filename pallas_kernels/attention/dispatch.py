@@ -60,10 +60,11 @@ def mosaic_for(op: str, heads: int, dim: int, page_size: int, *, interpret: bool
     if interpret or not wgmma_device():
         return False
     if op == "dense":
-        return _kernel_mgpu.supports(heads, dim, page_size, min(128, page_size))
+        return _kernel_mgpu.supports(heads, dim, page_size, min(tuning.MOSAIC_DENSE.key_tile, page_size))
     if op == "index":
-        return _msa_kernel_mgpu.supports(heads, dim, page_size, 64)
-    return _sparse_mgpu.supports(heads, dim, page_size, min(64, page_size), 4)
+        return _msa_kernel_mgpu.supports(heads, dim, page_size, tuning.MOSAIC_INDEX.bp)
+    tiles = tuning.MOSAIC_SPARSE
+    return _sparse_mgpu.supports(heads, dim, page_size, min(tiles.key_tile, page_size), tiles.num_stages)
 
 
 def paged_dense_attention(q_THD: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table_RN: jax.Array,

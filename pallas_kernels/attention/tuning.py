@@ -77,6 +77,13 @@ class AttentionTiles:
     backend: str = "triton"
 
 
+# The Mosaic GPU entries of the tables below (measured where they are used), in one place so that the dispatch's
+# shape check (`dispatch.mosaic_for`) tests the tiles the tables return; page counts are filled per call.
+MOSAIC_INDEX = IndexTiles(bt=16, bp=64, num_stages=4, backend="mosaic")
+MOSAIC_SPARSE = AttentionTiles(bt=4, pages_per_split=0, num_stages=4, key_tile=64, backend="mosaic")
+MOSAIC_DENSE = AttentionTiles(bt=8, pages_per_split=0, key_tile=128, num_stages=3, backend="mosaic")
+
+
 def pow2_at_least(x: int) -> int:
     """The smallest power of two >= x (1 for x <= 1): what every Triton tile size must be."""
     return 1 << max(0, (x - 1).bit_length())
@@ -116,7 +123,7 @@ def index_tiles(num_tokens: int, num_rows: int, pages_per_row: int, index_heads:
     # Triton tiles (the scoring kernel 54-55 against 85 us; the top-k inside it, a 92 us kernel, loses;
     # benchmarks/results/attention-prefill-h100-5da6a56.json and -5d34121.json). Not batch-invariant mode's.
     if mosaic and not invariant:
-        return IndexTiles(bt=16, bp=64, num_stages=4, backend="mosaic")
+        return MOSAIC_INDEX
     return IndexTiles(bt=max(min_bt, pow2_at_least(max(1, 64 // index_heads))), bp=32, mask_every_page=invariant)
 
 
@@ -165,7 +172,7 @@ def sparse_tiles(num_tokens: int, num_rows: int, topk: int, heads_per_group: int
     # block-major and 3,429 Triton union; 256-token drift 1,418 against 2,920 and 2,035 (whole pages at 2
     # stages: 2,413 / 1,550).
     if mosaic:
-        return AttentionTiles(bt=4, pages_per_split=4 * topk, num_stages=4, key_tile=64, backend="mosaic")
+        return dataclasses.replace(MOSAIC_SPARSE, pages_per_split=4 * topk)
     if union:  # the union kernel's tiles when it was measured against block-major (above)
         return AttentionTiles(bt=4, pages_per_split=4 * topk, num_stages=3, key_tile=64)
     return AttentionTiles(bt=4, pages_per_split=4 * topk, num_stages=2, block_major=16)
@@ -192,7 +199,7 @@ def dense_tiles(num_tokens: int, num_rows: int, pages_per_row: int, num_kv_heads
     # kernel-busy: 1,836 / 1,868 us against 2,706 / 2,720 us for the Triton tiles below (1.32-1.34x the compute
     # floor against 1.94-1.95x; attention-prefill-h100-5da6a56.json, -5d34121.json). Not batch-invariant mode's.
     if mosaic and not invariant:
-        return AttentionTiles(bt=8, pages_per_split=pages_per_row, key_tile=128, num_stages=3, backend="mosaic")
+        return dataclasses.replace(MOSAIC_DENSE, pages_per_split=pages_per_row)
     bt = pow2_at_least(max(1, 128 // heads_per_group))
     return AttentionTiles(bt=bt, pages_per_split=pages_per_row, num_warps=8, num_stages=3,
                           mask_every_page=invariant)

@@ -163,7 +163,7 @@ def test_moe_any_top_k_lowers(T, top_k):
     assert count_triton_kernels(lower_for_gpu(fn, _sds((T, D), jnp.bfloat16), _moe_params("mxfp8"))) == 2
 
 
-@pytest.mark.parametrize("T", [2048, 8192])
+@pytest.mark.parametrize("T", [921, 8192])
 @pytest.mark.parametrize("fmt", ["dense", "mxfp8-split", "mxfp8-each", "mxfp8-swap"])
 def test_mosaic_moe_lowers(fmt, T):
     """The Mosaic GPU MoE kernels (moe/kernel_mgpu.py) through jax's Pallas Mosaic GPU lowering at M3's shapes:
@@ -185,8 +185,8 @@ def test_mosaic_moe_lowers(fmt, T):
     assert text.count("custom_call @mosaic_gpu") == 2 and count_triton_kernels(text) == 0  # gate_up and down
 
 
-@pytest.mark.parametrize("key_tile,stages", [(128, 3), (64, 4)])
-def test_mosaic_dense_attention_lowers(key_tile, stages):
+@pytest.mark.parametrize("key_tile,stages,T", [(128, 3, 8192), (64, 4, 8192), (128, 3, 921)])
+def test_mosaic_dense_attention_lowers(key_tile, stages, T):
     """The Mosaic GPU dense attention (attention/kernel_mgpu.py) through jax's Mosaic GPU lowering for an 8k
     prefill chunk at M3's head shapes: its shared memory (a whole page's K and V at 3 stages is 224 KB of the
     H200's 227) and the refs, transforms and layouts the lowering takes."""
@@ -195,17 +195,20 @@ def test_mosaic_dense_attention_lowers(key_tile, stages):
     tiles = tuning.AttentionTiles(bt=8, pages_per_split=64, key_tile=key_tile, num_stages=stages,
                                   backend="mosaic")
     fn = functools.partial(attn_kernel.paged_dense_attention, scale=SCALE, tiles=tiles)
-    T, R, P = 8192, 4, 80
+    R, P = 4, 80
     text = lower_for_gpu(fn, _sds((T, H, HD), jnp.bfloat16), _sds((NUM_PAGES, PS, K, HD), jnp.bfloat16),
                          _sds((NUM_PAGES, PS, K, HD), jnp.bfloat16), _sds((R, P), jnp.int32), _sds((T,), jnp.int32),
                          _sds((T,), jnp.int32))
     assert text.count("custom_call @mosaic_gpu") == 1 and count_triton_kernels(text) == 0
 
 
-@pytest.mark.parametrize("bp,stages,fused", [(32, 4, False), (64, 4, False), (96, 4, True)])
-def test_mosaic_block_scores_lower(bp, stages, fused):
+@pytest.mark.parametrize("bp,stages,fused,T", [(32, 4, False, 8192), (64, 4, False, 8192), (96, 4, True, 8192),
+                                               (64, 4, False, 921), (96, 4, True, 921)])
+def test_mosaic_block_scores_lower(bp, stages, fused, T):
     """The Mosaic GPU index scoring (msa/kernel_mgpu.py) through jax's Mosaic GPU lowering for an 8k prefill
-    chunk at M3's index shapes, its shared memory included; fused: with its top-k (M3's 16 blocks)."""
+    chunk at M3's index shapes, its shared memory included; fused: with its top-k (M3's 16 blocks). At T = 921
+    the query rows (T x 4 index heads) are no multiple of the TMA's 8-row tile unless padded: an engine step of a
+    921-token prompt failed to compile on an H100."""
     from pallas_kernels.msa import kernel_mgpu
 
     G = CFG.index_num_heads
@@ -214,21 +217,21 @@ def test_mosaic_block_scores_lower(bp, stages, fused):
     def fn(iq, ik, pt, tr, pos):
         return kernel_mgpu.block_scores(iq, ik, pt, tr, pos, bp=bp, stages=stages, select=select)
 
-    T, R, P = 8192, 4, 80
+    R, P = 4, 80
     text = lower_for_gpu(fn, _sds((T, G, DI), jnp.bfloat16), _sds((NUM_PAGES, PS, DI), jnp.bfloat16),
                          _sds((R, P), jnp.int32), _sds((T,), jnp.int32), _sds((T,), jnp.int32))
     assert text.count("custom_call @mosaic_gpu") == 1 and count_triton_kernels(text) == 0
 
 
-@pytest.mark.parametrize("key_tile,stages", [(128, 2), (64, 4)])
-def test_mosaic_union_sparse_attention_lowers(key_tile, stages):
+@pytest.mark.parametrize("key_tile,stages,T", [(128, 2, 8192), (64, 4, 8192), (64, 4, 921)])
+def test_mosaic_union_sparse_attention_lowers(key_tile, stages, T):
     """The Mosaic GPU block-sparse attention (msa/sparse_mgpu.py) through jax's Mosaic GPU lowering for an 8k
     prefill chunk at M3's shapes (16 selected blocks a token), its union lists and shared memory included."""
     from pallas_kernels.msa import kernel as msa_kernel
 
     tiles = tuning.AttentionTiles(bt=4, pages_per_split=64, key_tile=key_tile, num_stages=stages, backend="mosaic")
     fn = functools.partial(msa_kernel.paged_block_sparse_attention, scale=SCALE, tiles=tiles)
-    T, R, P = 8192, 4, 80
+    R, P = 4, 80
     text = lower_for_gpu(fn, _sds((T, H, HD), jnp.bfloat16), _sds((NUM_PAGES, PS, K, HD), jnp.bfloat16),
                          _sds((NUM_PAGES, PS, K, HD), jnp.bfloat16), _sds((R, P), jnp.int32), _sds((T,), jnp.int32),
                          _sds((T,), jnp.int32), _sds((T, K, TOPK), jnp.int32))

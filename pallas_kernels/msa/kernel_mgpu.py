@@ -163,8 +163,10 @@ def block_scores(iq_TGD: jax.Array, ik_pages: jax.Array, page_table_RP: jax.Arra
     bt = tokens_per_block(G)
     qbs = query_blocks(token_row_T, pos_T, bt=bt, num_rows=page_table_RP.shape[0])
     num_splits = -(-P // bp)
-    # One block of padding tokens: a warpgroup's 64 rows are one copy even at the end of the batch.
-    iq = jnp.pad(iq_TGD, ((0, bt), (0, 0), (0, 0))).reshape((T + bt) * G, Di)
+    # Padding tokens up to a whole number of blocks, plus one block: a warpgroup's 64 rows are one copy even at
+    # the end of the batch, and the rows are a multiple of the TMA's 8-row tile (T * G need not be: T = 921).
+    padded = bt * (-(-T // bt) + 1)
+    iq = jnp.pad(iq_TGD, ((0, padded - T), (0, 0), (0, 0))).reshape(padded * G, Di)
     dt = iq.dtype
     out_dtype = jnp.float32 if select is None else jnp.int32
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))

@@ -529,5 +529,8 @@ def test_prefill_tiles_take_mosaic_only_where_the_dispatch_allows():
     assert tuning.sparse_tiles(8192, 1, 16, 16, mosaic=True, union=True).backend == "mosaic"
     assert tuning.dense_tiles(64, 64, 64, 4, 16, mosaic=True).backend == "triton"  # decode
     assert tuning.index_tiles(64, 64, 64, 4, mosaic=True).backend == "triton"
+    # Index scoring: only rows of at least one Mosaic query block (32 tokens at 4 index heads).
+    assert tuning.index_tiles(1024, 128, 17, 4, mosaic=True).backend == "triton"  # 8 tokens a row
+    assert tuning.index_tiles(1024, 32, 17, 4, mosaic=True).backend == "mosaic"  # 32 tokens a row
     assert tuning.sparse_tiles(64, 64, 16, 16, mosaic=True).backend == "triton"
     assert not dispatch.mosaic_for("dense", 16, 128, 128, interpret=False)  # no wgmma device here

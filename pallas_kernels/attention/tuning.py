@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from pallas_kernels.msa.kernel_mgpu import tokens_per_block as mosaic_tokens_per_block
+
 # Below this many new rows a step's K / V / index-K write stays an XLA scatter, from it on the Pallas row store:
 # 64 rows 10.3 vs 14.6 us, 8192 rows 41.0 vs 15.3 us (32 writes in one jitted loop, 8.6 GB pool); the threshold
 # is the linear interpolation of those two points, not a measurement.
@@ -122,7 +124,11 @@ def index_tiles(num_tokens: int, num_rows: int, pages_per_row: int, index_heads:
     # 8k chunk, H100, kernel-busy, three cases in two runs: 124.8-128.9 us against 130.9-135.4 us for these
     # Triton tiles (the scoring kernel 54-55 against 85 us; the top-k inside it, a 92 us kernel, loses;
     # benchmarks/results/attention-prefill-h100-5da6a56.json and -5d34121.json). Not batch-invariant mode's.
-    if mosaic and not invariant:
+    # Only for requests of at least one Mosaic query block (32 tokens at 4 index heads): shorter ones leave a
+    # compute warpgroup idle, and the second launch costs more than it saves (H100, m3-slice-1moe, a 1k bucket of
+    # 128 rows of 8 tokens: 13.5 us scoring + 5.1 us top-k against 9.3 us for the Triton tiles;
+    # engine-step-h100-1moe-ca7527f.json against -4a2c932.json).
+    if mosaic and not invariant and rows >= mosaic_tokens_per_block(index_heads):
         return MOSAIC_INDEX
     return IndexTiles(bt=max(min_bt, pow2_at_least(max(1, 64 // index_heads))), bp=32, mask_every_page=invariant)
 

@@ -558,6 +558,12 @@ def _sparse_variants(kind: str, context: int, base: AttentionTiles) -> list[Atte
         # `union_page_ratio`). (attention-h200-prefill-2/-3/-4.json: 1 / 4 / 8 tiles per page read and 8-token
         # tiles with 8 warps were slower than 16 tiles of 4 tokens.)
         # The Mosaic GPU union kernel (msa/sparse_mgpu.py) first: whole pages at 2 stages, half pages at 4.
+        # Where the table picks it (a Hopper GPU): its shared-pages form (8-token blocks, each warpgroup its
+        # own 4 tokens on one page stream) at the dense kernel's tiles and at half pages, then block-major.
+        if base.backend == "mosaic":
+            shared = r(base, bt=2 * base.bt)
+            return [r(shared, key_tile=128, num_stages=3), r(shared, key_tile=64, num_stages=4),
+                    tuning.AttentionTiles(bt=4, pages_per_split=base.pages_per_split, num_stages=2, block_major=16)]
         if not base.block_major:
             return []
         union = r(base, block_major=0, num_stages=3, key_tile=64)

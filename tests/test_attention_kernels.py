@@ -478,12 +478,14 @@ def test_union_page_lists_owner_bits():
             assert (owners[q, g, c:] == 0).all()
 
 
-@pytest.mark.parametrize("ps,key_tile,stages,shared", [(64, 64, 2, False), (128, 64, 4, True)])
-def test_mosaic_union_sparse_attention_equal_reference(ps, key_tile, stages, shared):
+@pytest.mark.parametrize("ps,key_tile,stages,shared,bt", [(64, 64, 2, False, 4), (128, 64, 4, True, 4),
+                                                         (64, 64, 2, False, 8), (128, 64, 3, True, 8)])
+def test_mosaic_union_sparse_attention_equal_reference(ps, key_tile, stages, shared, bt):
     """The Mosaic GPU block-sparse attention (msa/sparse_mgpu.py) in jax's GPU interpreter against the reference:
     each token's own selection inside its query block's union (independent selections with -1 anywhere, or
     neighbours sharing one), token-exact causal cutoffs on the token's own block, odd step counts (a padding
-    step), whole and half-page steps; a chunk behind a prefix, a decode with 3 drafts, a first token, padding."""
+    step), whole and half-page steps; a chunk behind a prefix, a decode with 3 drafts, a first token, padding.
+    bt = 8: query blocks of two warpgroups' tokens on one page stream (paged_shared_union_attention)."""
     perm = np.random.default_rng(7).permutation(np.arange(1, 24))
     pages = iter(perm.tolist())
     take = lambda n: [next(pages) for _ in range(n)]  # noqa: E731
@@ -507,12 +509,14 @@ def test_mosaic_union_sparse_attention_equal_reference(ps, key_tile, stages, sha
     args = (batch.page_table, batch.token_row, batch.positions)
     want = msa_ref.paged_block_sparse_attention(*(x.astype(jnp.float32) for x in (q, kp, vp)), *args,
                                                 jnp.asarray(blocks), scale=0.125)
-    tiles = AttentionTiles(bt=4, pages_per_split=16, key_tile=key_tile, num_stages=stages, backend="mosaic")
+    tiles = AttentionTiles(bt=bt, pages_per_split=16, key_tile=key_tile, num_stages=stages, backend="mosaic")
     got = msa_kernel.paged_block_sparse_attention(q, kp, vp, *args, jnp.asarray(blocks), scale=0.125, tiles=tiles,
                                                   interpret=True)
     got, want = np.asarray(got.astype(jnp.float32)), np.asarray(want)
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 4e-3  # bf16 P and output
     np.testing.assert_allclose(got, want, atol=3e-2)
+    if bt == 8:
+        return  # the shared kernel's warpgroups walk every step: any number of stages
     with pytest.raises(ValueError, match="even number of stages"):
         msa_kernel.paged_block_sparse_attention(q, kp, vp, *args, jnp.asarray(blocks), scale=0.125,
                                                 tiles=dataclasses.replace(tiles, num_stages=3), interpret=True)

@@ -223,13 +223,15 @@ def test_mosaic_block_scores_lower(bp, stages, fused, T):
     assert text.count("custom_call @mosaic_gpu") == 1 and count_triton_kernels(text) == 0
 
 
-@pytest.mark.parametrize("key_tile,stages,T", [(128, 2, 8192), (64, 4, 8192), (64, 4, 921)])
-def test_mosaic_union_sparse_attention_lowers(key_tile, stages, T):
+@pytest.mark.parametrize("key_tile,stages,T,bt", [(128, 2, 8192, 4), (64, 4, 8192, 4), (64, 4, 921, 4),
+                                                  (128, 3, 8192, 8), (64, 4, 921, 8)])
+def test_mosaic_union_sparse_attention_lowers(key_tile, stages, T, bt):
     """The Mosaic GPU block-sparse attention (msa/sparse_mgpu.py) through jax's Mosaic GPU lowering for an 8k
-    prefill chunk at M3's shapes (16 selected blocks a token), its union lists and shared memory included."""
+    prefill chunk at M3's shapes (16 selected blocks a token), its union lists and shared memory included; bt 8:
+    the shared-pages form."""
     from pallas_kernels.msa import kernel as msa_kernel
 
-    tiles = tuning.AttentionTiles(bt=4, pages_per_split=64, key_tile=key_tile, num_stages=stages, backend="mosaic")
+    tiles = tuning.AttentionTiles(bt=bt, pages_per_split=64, key_tile=key_tile, num_stages=stages, backend="mosaic")
     fn = functools.partial(msa_kernel.paged_block_sparse_attention, scale=SCALE, tiles=tiles)
     R, P = 4, 80
     text = lower_for_gpu(fn, _sds((T, H, HD), jnp.bfloat16), _sds((NUM_PAGES, PS, K, HD), jnp.bfloat16),

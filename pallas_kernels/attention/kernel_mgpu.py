@@ -150,8 +150,22 @@ def stream_pages(load, num_steps: jax.Array, stages: int, used: tuple) -> None:
             plgpu.barrier_wait(barrier.at[lax.rem(s, stages)])
 
 
-def _kernel(start_ref, length_ref, row_ref, max_pos_ref, page_table_ref, pos_ref, q_ref, k_ref, v_ref, o_ref,
-            scoped, *, hg: int, ps: int, kt: int, stages: int, scale: float, interpret: bool):
+def token_bits(first: jax.Array | int, hg: int, cols: int) -> jax.Array:
+    """In-kernel, each of a compute warpgroup's 64 rows' bit in a block's owner words (row r: token
+    first + r // hg of the query block, bit 1 << that token), in wgmma's row layout."""
+    tok = plgpu.broadcasted_iota(jnp.int32, (WG_ROWS, cols), 0, layout=plgpu.Layout.WGMMA) // hg
+    bit_2d = jnp.zeros((WG_ROWS, cols), jnp.int32)
+    for i in range(WG_ROWS // hg):
+        bit_2d = jnp.where(tok == i, 1 << i, bit_2d)
+    return jnp.max(bit_2d, axis=1) << first
+
+
+def _kernel(start_ref, length_ref, row_ref, max_pos_ref, page_table_ref, pos_ref, *refs, hg: int, ps: int,
+            kt: int, stages: int, scale: float, interpret: bool, listed: bool):
+    """`listed`: the program's pages are its (query block, group)'s list of distinct selected blocks with owner
+    bits (`msa.kernel.union_page_lists`; block-sparse, msa/sparse_mgpu.py), each row masked unless its token owns
+    the block, instead of the request's pages in order."""
+    *lists, q_ref, k_ref, v_ref, o_ref, scoped = refs
     (qo_smem2, k_smem, v_smem, p_smem2), (k_loaded, v_loaded, q_loaded), (k_used, v_used), turn = scoped
     qb, g, wg = heaviest_first(start_ref.shape[0]), lax.axis_index("g"), lax.axis_index("wg")
     T = q_ref.shape[0]
@@ -159,8 +173,15 @@ def _kernel(start_ref, length_ref, row_ref, max_pos_ref, page_table_ref, pos_ref
     D = q_ref.shape[-1]
     t0, n, row = start_ref[qb], length_ref[qb], row_ref[qb]
     steps_per_page = ps // kt
-    num_pages = jnp.where(n > 0, jnp.minimum(max_pos_ref[qb] // ps + 1, P), 0)
+    if listed:
+        list_ref, owners_ref, count_ref = lists
+        num_pages = jnp.where(n > 0, count_ref[qb, g], 0)
+    else:
+        num_pages = jnp.where(n > 0, jnp.minimum(max_pos_ref[qb] // ps + 1, P), 0)
     num_steps = num_pages * steps_per_page
+
+    def logical_page(s):  # of step s
+        return list_ref[qb, g, s // steps_per_page] if listed else s // steps_per_page
 
     def take_turn():  # the two compute warpgroups alternate on the tensor cores (as attention_mgpu does)
         plgpu.barrier_arrive(turn)
@@ -178,7 +199,12 @@ def _kernel(start_ref, length_ref, row_ref, max_pos_ref, page_table_ref, pos_ref
                                     q_loaded.at[wg * tpw + i])
 
         pos_row, min_pos = row_positions(pos_ref, t0, first, n, rows_per_token=hg, cols=kt, num_tokens=T)
-        whole_steps = jnp.where(min_pos == NO_ROW, 0, jnp.minimum((min_pos + 1) // ps, num_pages)) * steps_per_page
+        if listed:  # every step masked: a row sees a listed block only when its token owns it
+            whole_steps = 0
+            tok_bit = token_bits(first, hg, kt)
+        else:
+            whole_steps = jnp.where(min_pos == NO_ROW, 0,
+                                    jnp.minimum((min_pos + 1) // ps, num_pages)) * steps_per_page
         for i in range(tpw):
             plgpu.barrier_wait(q_loaded.at[wg * tpw + i])
 
@@ -198,9 +224,14 @@ def _kernel(start_ref, length_ref, row_ref, max_pos_ref, page_table_ref, pos_ref
             s_ = scores(qo, k_smem.at[slot], kt, take_turn)
             plgpu.barrier_arrive(k_used.at[slot])
             if masked:
-                key0 = s * kt  # pages are read in logical order: step s holds keys s*kt ..
+                if listed:
+                    key0 = logical_page(s) * ps + lax.rem(s, steps_per_page) * kt
+                    limit = jnp.where((tok_bit & owners_ref[qb, g, s // steps_per_page]) != 0, pos_row, -1)
+                else:
+                    key0 = s * kt  # pages are read in logical order: step s holds keys s*kt ..
+                    limit = pos_row
                 kpos = plgpu.broadcasted_iota(jnp.int32, (WG_ROWS, kt), 1, layout=plgpu.Layout.WGMMA) + key0
-                s_ = jnp.where(kpos <= per_row(pos_row, s_.shape[1]), s_, -jnp.inf)
+                s_ = jnp.where(kpos <= per_row(limit, s_.shape[1]), s_, -jnp.inf)
 
             def next_k():
                 pl.when(s + 1 < num_steps)(lambda: plgpu.barrier_wait(k_loaded.at[lax.rem(s + 1, stages)]))
@@ -229,7 +260,7 @@ def _kernel(start_ref, length_ref, row_ref, max_pos_ref, page_table_ref, pos_ref
         plgpu.set_max_registers(40, action="decrease")
 
         def load(s, slot):
-            page = page_table_ref[row, s // steps_per_page]
+            page = page_table_ref[row, logical_page(s)]
             keys = pl.ds(lax.rem(s, steps_per_page) * kt, kt)
             plgpu.copy_gmem_to_smem(k_ref.at[page, keys, g], k_smem.at[slot], k_loaded.at[slot])
             plgpu.copy_gmem_to_smem(v_ref.at[page, keys, g], v_smem.at[slot], v_loaded.at[slot])
@@ -270,14 +301,27 @@ def paged_dense_attention(q_THD: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
                          f"head_dim and key tiles in multiples of 64, 2+ stages: got hg={hg}, hd={D}, "
                          f"page={ps}, key tile={kt}, stages={stages}")
     qbs = query_blocks(token_row_T, pos_T, bt=tokens_per_block(hg), num_rows=page_table_RP.shape[0])
+    return split_token_attention(q_THD, k_pages, v_pages, page_table_RP, pos_T, qbs, (), scale, kt=kt,
+                                 stages=stages, interpret=interpret, name="dense_paged_attention_mgpu")
+
+
+def split_token_attention(q_THD: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table_RP: jax.Array,
+                          pos_T: jax.Array, qbs, lists: tuple, scale: float, *, kt: int, stages: int,
+                          interpret: bool, name: str) -> jax.Array:
+    """The launch of `_kernel` over query blocks `qbs` of `tokens_per_block(hg)` tokens, both compute warpgroups
+    walking one stream of pages, each over its own tokens' rows. `lists`: () for the request's pages in order
+    (dense), or (page list [Q, G, L], owner bits [Q, G, L], count [Q, G]) for listed pages (block-sparse)."""
+    T, H, D = q_THD.shape
+    K = k_pages.shape[2]
+    hg = H // K
     dt = q_THD.dtype
     scratch = smem_tiles(D, kt, stages, dt, interpret)
     tpw = WG_ROWS // hg
 
     def entry(*refs):
         pl.run_scoped(
-            lambda *scoped: _kernel(*refs, scoped, hg=hg, ps=ps, kt=kt, stages=stages, scale=scale,
-                                    interpret=interpret),
+            lambda *scoped: _kernel(*refs, scoped, hg=hg, ps=k_pages.shape[1], kt=kt, stages=stages, scale=scale,
+                                    interpret=interpret, listed=bool(lists)),
             scratch,
             (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
              plgpu.Barrier(num_barriers=2 * tpw)),
@@ -286,6 +330,6 @@ def paged_dense_attention(q_THD: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
             collective_axes="wg",
         )
 
-    return launch(entry, "dense_paged_attention_mgpu", jax.ShapeDtypeStruct((T, H, D), dt), qbs.num_blocks, K,
-                  interpret)(qbs.start_Q, qbs.length_Q, qbs.row_Q, qbs.max_pos_Q, page_table_RP.astype(jnp.int32),
-      pos_T.astype(jnp.int32), q_THD, k_pages, v_pages)
+    return launch(entry, name, jax.ShapeDtypeStruct((T, H, D), dt), qbs.num_blocks, K, interpret)(
+        qbs.start_Q, qbs.length_Q, qbs.row_Q, qbs.max_pos_Q, page_table_RP.astype(jnp.int32), pos_T.astype(jnp.int32),
+        *(x.astype(jnp.int32) for x in lists), q_THD, k_pages, v_pages)

@@ -313,12 +313,14 @@ def paged_block_sparse_attention(q_THD: jax.Array, k_pages: jax.Array, v_pages: 
     if tiles.block_major:
         return block_major_attention(*kv, token_row_T, pos_T, blocks_TGN, scale=scale, tiles=tiles,
                                      interpret=interpret)
-    if tiles.backend == "mosaic":  # the union of pages on Mosaic GPU, query blocks of its own size
-        bt = sparse_mgpu.tokens_per_block(q_THD.shape[1] // k_pages.shape[2])
+    if tiles.backend == "mosaic":  # the union of pages on Mosaic GPU, query blocks of one of its two sizes
+        hg = q_THD.shape[1] // k_pages.shape[2]
+        shared = tiles.bt > sparse_mgpu.tokens_per_block(hg)  # two warpgroups' tokens on one page stream
+        bt = sparse_mgpu.tokens_per_block(hg, shared)
         qbs = query_blocks(token_row_T, pos_T, bt=bt, num_rows=page_table_RP.shape[0])
-        return sparse_mgpu.paged_union_attention(*kv, pos_T, qbs, *union_page_lists(blocks_TGN, qbs, bt), scale,
-                                                 key_tile=tiles.key_tile or k_pages.shape[1],
-                                                 stages=tiles.num_stages, interpret=interpret)
+        call = sparse_mgpu.paged_shared_union_attention if shared else sparse_mgpu.paged_union_attention
+        return call(*kv, pos_T, qbs, *union_page_lists(blocks_TGN, qbs, bt), scale,
+                    key_tile=tiles.key_tile or k_pages.shape[1], stages=tiles.num_stages, interpret=interpret)
     qbs = query_blocks(token_row_T, pos_T, bt=tiles.bt, num_rows=page_table_RP.shape[0])
 
     def union(page_list: jax.Array, count: jax.Array, per_token: jax.Array | None) -> jax.Array:

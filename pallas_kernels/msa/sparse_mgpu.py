@@ -42,17 +42,21 @@ from pallas_kernels.attention.kernel_mgpu import (
     scores,
     smem_tiles,
     softmax_and_pv,
+    split_token_attention,
     stream_pages,
+    token_bits,
 )
 
 
-def tokens_per_block(heads_per_group: int) -> int:
-    return WG_ROWS // heads_per_group
+def tokens_per_block(heads_per_group: int, shared: bool = False) -> int:
+    """A query block's tokens: one warpgroup's 64 rows, or two with `shared` (paged_shared_union_attention)."""
+    return (2 if shared else 1) * (WG_ROWS // heads_per_group)
 
 
-def supports(heads_per_group: int, head_dim: int, page_size: int, key_tile: int, stages: int) -> bool:
+def supports(heads_per_group: int, head_dim: int, page_size: int, key_tile: int, stages: int,
+             shared: bool = False) -> bool:
     return (WG_ROWS % heads_per_group == 0 and heads_per_group % 8 == 0 and head_dim % 64 == 0
-            and key_tile % 64 == 0 and page_size % key_tile == 0 and stages >= 2 and stages % 2 == 0)
+            and key_tile % 64 == 0 and page_size % key_tile == 0 and stages >= 2 and (shared or stages % 2 == 0))
 
 
 def _kernel(start_ref, length_ref, row_ref, page_table_ref, pos_ref, list_ref, owners_ref, count_ref, q_ref, k_ref,
@@ -85,12 +89,7 @@ def _kernel(start_ref, length_ref, row_ref, page_table_ref, pos_ref, list_ref, o
             plgpu.copy_gmem_to_smem(q_ref.at[t, pl.ds(g * hg, hg)], qo.at[pl.ds(i * hg, hg)],
                                     q_loaded.at[wg * tpb + i])
         pos_row, _ = row_positions(pos_ref, t0, 0, n, rows_per_token=hg, cols=kt, num_tokens=T)
-        # Each row's bit of the owner words (token i: 1 << i).
-        tok = plgpu.broadcasted_iota(jnp.int32, (WG_ROWS, kt), 0, layout=plgpu.Layout.WGMMA) // hg
-        bit_2d = jnp.zeros((WG_ROWS, kt), jnp.int32)
-        for i in range(tpb):
-            bit_2d = jnp.where(tok == i, 1 << i, bit_2d)
-        tok_bit = jnp.max(bit_2d, axis=1)
+        tok_bit = token_bits(0, hg, kt)
         for i in range(tpb):
             plgpu.barrier_wait(q_loaded.at[wg * tpb + i])
 
@@ -212,3 +211,24 @@ def paged_union_attention(q_THD: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
     return call(qbs.start_Q, qbs.length_Q, qbs.row_Q, page_table_RP.astype(jnp.int32), pos_T.astype(jnp.int32),
                 page_list_QGL.astype(jnp.int32), owners_QGL.astype(jnp.int32), count_QG.astype(jnp.int32), q_THD,
                 k_pages, v_pages)
+
+
+def paged_shared_union_attention(q_THD: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                                 page_table_RP: jax.Array, pos_T: jax.Array, qbs, page_list_QGL: jax.Array,
+                                 owners_QGL: jax.Array, count_QG: jax.Array, scale: float, *, key_tile: int,
+                                 stages: int, interpret: bool = False) -> jax.Array:
+    """`paged_union_attention`'s result over query blocks of `tokens_per_block(hg, shared=True)` tokens: both
+    compute warpgroups walk the block's one union of pages, each over its own tokens' rows (the dense kernel's
+    split, attention/kernel_mgpu.py, over a page list). A page read then serves 128 rows instead of 64, at the
+    cost of a union over twice the tokens: it gains where neighbouring tokens choose the same blocks."""
+    _, H, D = q_THD.shape
+    _, ps, K, _ = k_pages.shape
+    hg = H // K
+    kt = min(key_tile, ps)
+    if not supports(hg, D, ps, kt, stages, shared=True):
+        raise ValueError(f"the Mosaic GPU block-sparse attention takes heads per group dividing 64 in multiples "
+                         f"of 8, head_dim and key tiles in multiples of 64, 2+ stages: got hg={hg}, hd={D}, "
+                         f"page={ps}, key tile={kt}, stages={stages}")
+    return split_token_attention(q_THD, k_pages, v_pages, page_table_RP, pos_T, qbs,
+                                 (page_list_QGL, owners_QGL, count_QG), scale, kt=kt, stages=stages,
+                                 interpret=interpret, name="sparse_shared_attention_mgpu")

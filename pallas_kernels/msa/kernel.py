@@ -213,21 +213,23 @@ def _topk_kernel(pos_ref, scores_ref, out_ref, *, rb: int, G: int, wp: int, P: i
 
 
 def topk_blocks(scores_TGW: jax.Array, pos_T: jax.Array, *, block_size: int, num_blocks: int, topk: int,
-                local_blocks: int, init_blocks: int = 0, interpret: bool = False) -> jax.Array:
+                local_blocks: int, init_blocks: int = 0, interpret: bool = False, rows_per_program: int | None = None,
+                num_warps: int = 4) -> jax.Array:
     """Pallas `select_from_block_scores`: the same forcing and the same ids in the same order as lax.top_k, as
     `topk` rounds of (row max, lowest index holding it) over each row held in registers. On the H200 it made the
-    whole index op 28-38 us faster than `lax.top_k` at batch-64 decode (8k-128k) and 106 us at an 8k prefill."""
+    whole index op 28-38 us faster than `lax.top_k` at batch-64 decode (8k-128k) and 106 us at an 8k prefill.
+    `rows_per_program` (default: ~2048 scores in registers) and `num_warps`: benchmarks/bench_topk.py's sweep."""
     T, G, W = scores_TGW.shape
     wp = 1 << max(0, (num_blocks - 1).bit_length())
     kp = 1 << max(0, (topk - 1).bit_length())
-    rb = max(1, min(64, 2048 // wp))  # rows per program: ~2048 scores in registers
+    rb = rows_per_program or max(1, min(64, 2048 // wp))
     kernel = functools.partial(_topk_kernel, rb=rb, G=G, wp=wp, P=num_blocks, ps=block_size, topk=topk, kp=kp,
                                local_blocks=local_blocks, init_blocks=init_blocks)
     out = pl.pallas_call(
         kernel,
         grid=(-(-(T * G) // rb),),
         out_shape=jax.ShapeDtypeStruct((T * G, kp), jnp.int32),
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name=f"msa_topk_rb{rb}",
     )(pos_T.astype(jnp.int32), scores_TGW.reshape(T * G, W))

@@ -82,7 +82,7 @@ class AttentionTiles:
 # The Mosaic GPU entries of the tables below (measured where they are used), in one place so that the dispatch's
 # shape check (`dispatch.mosaic_for`) tests the tiles the tables return; page counts are filled per call.
 MOSAIC_INDEX = IndexTiles(bt=16, bp=64, num_stages=4, backend="mosaic")
-MOSAIC_SPARSE = AttentionTiles(bt=4, pages_per_split=0, num_stages=4, key_tile=64, backend="mosaic")
+MOSAIC_SPARSE = AttentionTiles(bt=8, pages_per_split=0, num_stages=3, key_tile=128, backend="mosaic")
 MOSAIC_DENSE = AttentionTiles(bt=8, pages_per_split=0, key_tile=128, num_stages=3, backend="mosaic")
 
 

@@ -172,11 +172,12 @@ def sparse_tiles(num_tokens: int, num_rows: int, topk: int, heads_per_group: int
     # second half, and the host could not build the next step meanwhile. The union kernel is the operator's static
     # choice instead (`union`: `KernelChoice.sparse_prefill`, `--sparse-prefill-kernel union`), for models whose
     # neighbouring tokens choose overlapping pages.
-    # Mosaic GPU (msa/sparse_mgpu.py), where it runs, for either choice: the union of pages with both compute
-    # warpgroups on one query block's 64 rows, half-page steps, 4 stages. 8k chunk, H100, kernel-busy (one
-    # run, benchmarks/results/attention-prefill-h100-5d34121.json): random selections 2,211 us against 2,946
-    # block-major and 3,429 Triton union; 256-token drift 1,418 against 2,920 and 2,035 (whole pages at 2
-    # stages: 2,413 / 1,550).
+    # Mosaic GPU (msa/sparse_mgpu.py), where it runs, for either choice: 8-token query blocks whose two compute
+    # warpgroups walk one union page stream, each over its own 4 tokens (the shared form: a page read serves 128
+    # rows), whole pages, 3 stages. 8k chunk, H100, kernel-busy (one run,
+    # benchmarks/results/attention-prefill-h100-037031e.json): random selections 1,909 us against 2,215 for
+    # 4-token blocks whose warpgroups split the pages (half pages, 4 stages) and 2,947 block-major; 256-token
+    # drift 1,085 against 1,411 and 2,945 (the shared form at half pages, 4 stages: 2,279 / 1,274).
     if mosaic:
         return dataclasses.replace(MOSAIC_SPARSE, pages_per_split=4 * topk)
     if union:  # the union kernel's tiles when it was measured against block-major (above)

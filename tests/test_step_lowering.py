@@ -96,3 +96,26 @@ def test_batch_invariant_step_lowers(moe_format):
         argmax = re.compile(r": \(tensor<[0-9x]*xf32>, tensor<[0-9x]*xi32>, tensor<f32>, tensor<i32>\)")
         floats = [r for r in reductions if re.search(r"tensor<[0-9x]*(f16|bf16|f32|f64)>", r) and not argmax.search(r)]
         assert reductions and not floats, size
+
+
+@pytest.mark.parametrize("moe_format", ["bf16", "mxfp8"])
+@pytest.mark.parametrize("max_num_seqs,max_num_batched_tokens,max_model_len", [(3, 100, 1000), (5, 921, 4097)])
+def test_step_lowers_with_the_mosaic_kernels_at_odd_sizes(monkeypatch, moe_format, max_num_seqs,
+                                                          max_num_batched_tokens, max_model_len):
+    """On a Hopper GPU the prefill step takes the Mosaic GPU kernels (dense, index scoring, block-sparse, and the
+    MXFP8 MoE where its entry fits): the whole step lowers with them at engine sizes that are not powers of two.
+    A served 921-token prompt once failed to compile in the index scoring (its TMA rows were no multiple of 8)."""
+    from pallas_kernels.attention import dispatch as attn_dispatch
+    from pallas_kernels.moe import kernel as moe_kernel
+
+    for module in (attn_dispatch, moe_kernel):  # what `device.wgmma_device` says on an H100 / H200
+        monkeypatch.setattr(module, "wgmma_device", lambda: True)
+    model = M3Model.abstract(preset("m3-slice"), "bfloat16", moe_format, KernelChoice("pallas", "pallas"))
+    runner = ModelRunner(model, num_pages=8, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                         max_model_len=max_model_len)
+    size = runner.token_buckets[-1]
+    args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), runner._abstract_args("forward", size))
+    text = lower_for_gpu(runner.jitted("forward", size), *args)
+    kernels = {"dense_paged_attention_mgpu", "msa_block_scores_mgpu", "sparse_shared_attention_mgpu"}
+    assert all(k in text for k in kernels), (size, [k for k in kernels if k not in text])
+    assert "stablehlo.case" not in text and "stablehlo.if" not in text

@@ -64,8 +64,8 @@ def mosaic_for(op: str, heads: int, dim: int, page_size: int, *, interpret: bool
     if op == "index":
         return _msa_kernel_mgpu.supports(heads, dim, page_size, tuning.MOSAIC_INDEX.bp)
     tiles = tuning.MOSAIC_SPARSE
-    shared = tiles.bt > _sparse_mgpu.tokens_per_block(heads)  # msa.kernel's reading of the tiles
-    return _sparse_mgpu.supports(heads, dim, page_size, min(tiles.key_tile, page_size), tiles.num_stages, shared)
+    return _sparse_mgpu.supports(heads, dim, page_size, min(tiles.key_tile, page_size), tiles.num_stages,
+                                 _sparse_mgpu.shared_form(tiles.bt, heads))
 
 
 def paged_dense_attention(q_THD: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table_RN: jax.Array,

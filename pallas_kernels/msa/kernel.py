@@ -317,7 +317,7 @@ def paged_block_sparse_attention(q_THD: jax.Array, k_pages: jax.Array, v_pages: 
                                      interpret=interpret)
     if tiles.backend == "mosaic":  # the union of pages on Mosaic GPU, query blocks of one of its two sizes
         hg = q_THD.shape[1] // k_pages.shape[2]
-        shared = tiles.bt > sparse_mgpu.tokens_per_block(hg)  # two warpgroups' tokens on one page stream
+        shared = sparse_mgpu.shared_form(tiles.bt, hg)  # two warpgroups' tokens on one page stream
         bt = sparse_mgpu.tokens_per_block(hg, shared)
         qbs = query_blocks(token_row_T, pos_T, bt=bt, num_rows=page_table_RP.shape[0])
         call = sparse_mgpu.paged_shared_union_attention if shared else sparse_mgpu.paged_union_attention

@@ -4,9 +4,16 @@ Same result as the Triton union kernel (`kernel.paged_block_sparse_attention` wi
 each token attends to the keys of the blocks it selected itself, up to its own position. Why a second backend:
 the Triton kernel's 8k prefill chunk runs at 3.6x (256-token drift) to 5.5x its compute floor, and the Pallas
 Triton lowering cannot overlap one page's softmax with the next page's matrix work. This is the structure of
-`attention/kernel_mgpu.py` (the dense FA3-style kernel) over a per-(query block, group) page list.
+`attention/kernel_mgpu.py` (the dense FA3-style kernel) over a per-(query block, group) page list, in two forms.
 
-One program per (query block of 64 / heads_per_group tokens, KV group); its 64 rows (row r: token r // hg, head
+Shared pages (`paged_shared_union_attention`, the table's): query blocks of 2 x 64 / heads_per_group tokens,
+whose two compute warpgroups walk the block's one page stream, each over its own tokens' 64 rows: the dense
+kernel's own `_kernel` over the listed pages. A page read serves 128 rows; the union is over twice the tokens.
+On an H100 at an 8k chunk it beat the split form on random and on overlapping selections alike
+(benchmarks/results/attention-prefill-h100-037031e.json).
+
+Split pages (`paged_union_attention`, below): one program per (query block of 64 / heads_per_group tokens, KV
+group); its 64 rows (row r: token r // hg, head
 r % hg) are wgmma's M. The list holds the distinct blocks the block's tokens selected, sorted, each with its
 owner bits (`kernel.union_page_lists`). The memory warpgroup streams the listed pages, `key_tile` keys a step,
 through `stages` K and V buffers; both compute warpgroups hold the same 64 rows and take alternate steps (each
@@ -51,6 +58,12 @@ from pallas_kernels.attention.kernel_mgpu import (
 def tokens_per_block(heads_per_group: int, shared: bool = False) -> int:
     """A query block's tokens: one warpgroup's 64 rows, or two with `shared` (paged_shared_union_attention)."""
     return (2 if shared else 1) * (WG_ROWS // heads_per_group)
+
+
+def shared_form(block_tokens: int, heads_per_group: int) -> bool:
+    """How tiles name the form: query blocks (`AttentionTiles.bt`) longer than one warpgroup's tokens are the
+    shared-pages form's."""
+    return block_tokens > tokens_per_block(heads_per_group)
 
 
 def supports(heads_per_group: int, head_dim: int, page_size: int, key_tile: int, stages: int,
@@ -220,7 +233,7 @@ def paged_shared_union_attention(q_THD: jax.Array, k_pages: jax.Array, v_pages: 
     """`paged_union_attention`'s result over query blocks of `tokens_per_block(hg, shared=True)` tokens: both
     compute warpgroups walk the block's one union of pages, each over its own tokens' rows (the dense kernel's
     split, attention/kernel_mgpu.py, over a page list). A page read then serves 128 rows instead of 64, at the
-    cost of a union over twice the tokens: it gains where neighbouring tokens choose the same blocks."""
+    cost of a union over twice the tokens."""
     _, H, D = q_THD.shape
     _, ps, K, _ = k_pages.shape
     hg = H // K

@@ -528,7 +528,11 @@ def _index_variants(kind: str, context: int, base: IndexTiles, pages: int) -> li
         every_page = 32 * -(-pages // 32)
         mosaic = [r(base, backend="mosaic", bp=every_page, num_stages=4, topk="fused"),
                   *(r(base, backend="mosaic", bp=bp, num_stages=st) for bp, st in ((32, 4), (64, 4), (32, 3)))]
-        return [*mosaic, r(base, bp=16), r(base, bp=64)]
+        # The Triton scoring beside them (on a Hopper GPU the table's entry is the Mosaic one): its table tiles
+        # (bt 16, 32 pages), then 16 and 64 pages a program.
+        triton = IndexTiles(bt=base.bt, bp=32)
+        out = [*mosaic, triton, r(triton, bp=16), r(triton, bp=64)]
+        return [t for t in dict.fromkeys(out) if t != base]
     if VARIANTS == "final":
         # The top-k inside the scoring kernel (no second launch) or as a second launch, and longer page streams
         # per program. (8 or 2 rows per top-k program were timed too, attention-h200-final.json: no better;
@@ -559,11 +563,13 @@ def _sparse_variants(kind: str, context: int, base: AttentionTiles) -> list[Atte
         # tiles with 8 warps were slower than 16 tiles of 4 tokens.)
         # The Mosaic GPU union kernel (msa/sparse_mgpu.py) first: whole pages at 2 stages, half pages at 4.
         # Where the table picks it (a Hopper GPU): its shared-pages form (8-token blocks, each warpgroup its
-        # own 4 tokens on one page stream) at the dense kernel's tiles and at half pages, then block-major.
+        # own 4 tokens on one page stream) at the dense kernel's tiles and at half pages, the split-pages form
+        # (4-token blocks), then block-major.
         if base.backend == "mosaic":
-            shared = r(base, bt=2 * base.bt)
-            return [r(shared, key_tile=128, num_stages=3), r(shared, key_tile=64, num_stages=4),
-                    tuning.AttentionTiles(bt=4, pages_per_split=base.pages_per_split, num_stages=2, block_major=16)]
+            mosaic = r(base, bt=8, key_tile=128, num_stages=3)  # M3's shared form (heads per group 16)
+            out = [mosaic, r(mosaic, key_tile=64, num_stages=4), r(mosaic, bt=4, key_tile=64, num_stages=4),
+                   tuning.AttentionTiles(bt=4, pages_per_split=base.pages_per_split, num_stages=2, block_major=16)]
+            return [t for t in dict.fromkeys(out) if t != base]
         if not base.block_major:
             return []
         union = r(base, block_major=0, num_stages=3, key_tile=64)
@@ -598,7 +604,11 @@ def _dense_variants(kind: str, context: int, base: AttentionTiles, P: int) -> li
         # The Mosaic GPU kernel (attention/kernel_mgpu.py, FA3-style) first: whole-page or half-page key steps,
         # 2-4 K/V buffers (a whole page at 3 stages is the most that fits 227 KB).
         mosaic = [r(base, backend="mosaic", key_tile=kt, num_stages=st) for kt, st in ((128, 2), (128, 3), (64, 4))]
-        return [*mosaic, r(base, num_stages=2)]
+        # The Triton kernel's table tiles beside them (on a Hopper GPU the table's entry is the Mosaic one), and
+        # at 2 stages.
+        triton = AttentionTiles(bt=base.bt, pages_per_split=base.pages_per_split, num_warps=8, num_stages=3)
+        out = [*mosaic, triton, r(triton, num_stages=2)]
+        return [t for t in dict.fromkeys(out) if t != base]
     if VARIANTS != "tune":
         return []
     if kind == "decode":

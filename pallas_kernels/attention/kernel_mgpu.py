@@ -79,6 +79,46 @@ def row_positions(pos_ref, t0: jax.Array, first: jax.Array, n: jax.Array, *, row
     return jnp.max(pos_2d, axis=1), min_pos
 
 
+def take_turn(turn) -> None:
+    """The two compute warpgroups alternate on the tensor cores (as jax's attention_mgpu does)."""
+    plgpu.barrier_arrive(turn)
+    plgpu.barrier_wait(turn)
+
+
+def load_query_rows(q_ref, qo, q_loaded, *, t0: jax.Array, first: jax.Array | int, wg: jax.Array, g: jax.Array,
+                    hg: int) -> None:
+    """A compute warpgroup's 64 query rows into `qo`: rows i*hg .. are token first + i's heads of group g, one TMA
+    copy of [hg, hd] per token (a clamped token past the batch is unused), each on its own barrier."""
+    T = q_ref.shape[0]
+    tpw = WG_ROWS // hg
+    for i in range(tpw):
+        t = jnp.minimum(t0 + first + i, T - 1)
+        plgpu.copy_gmem_to_smem(q_ref.at[t, pl.ds(g * hg, hg)], qo.at[pl.ds(i * hg, hg)], q_loaded.at[wg * tpw + i])
+
+
+def wait_query_rows(q_loaded, wg: jax.Array, hg: int) -> None:
+    tpw = WG_ROWS // hg
+    for i in range(tpw):
+        plgpu.barrier_wait(q_loaded.at[wg * tpw + i])
+
+
+def softmax_start(D: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The online softmax's start (acc, m, l) in wgmma's layouts: a finite running max, so that a row that sees
+    no key gives 0."""
+    m_i = plgpu.layout_cast(jnp.full((WG_ROWS,), M_INIT, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+    l_i = plgpu.layout_cast(jnp.full((WG_ROWS,), 0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+    acc = plgpu.layout_cast(jnp.full((WG_ROWS, D), 0, jnp.float32), plgpu.Layout.WGMMA)
+    return acc, m_i, l_i
+
+
+def load_kv(k_ref, v_ref, k_smem, v_smem, k_loaded, v_loaded, *, page: jax.Array, key0: jax.Array, kt: int,
+            g: jax.Array, slot: jax.Array) -> None:
+    """The memory warpgroup's copy of keys key0 .. key0 + kt of group g on `page` into K / V buffer `slot`."""
+    keys = pl.ds(key0, kt)
+    plgpu.copy_gmem_to_smem(k_ref.at[page, keys, g], k_smem.at[slot], k_loaded.at[slot])
+    plgpu.copy_gmem_to_smem(v_ref.at[page, keys, g], v_smem.at[slot], v_loaded.at[slot])
+
+
 def scores(qo, k_tile, kt: int, take_turn) -> jax.Array:
     """S = q k^T of one key step [64, kt] in fp32; the compute warpgroups' turn is taken once its wgmma is
     issued (as jax's attention_mgpu does)."""
@@ -183,9 +223,7 @@ def _kernel(start_ref, length_ref, row_ref, max_pos_ref, page_table_ref, pos_ref
     def logical_page(s):  # of step s
         return list_ref[qb, g, s // steps_per_page] if listed else s // steps_per_page
 
-    def take_turn():  # the two compute warpgroups alternate on the tensor cores (as attention_mgpu does)
-        plgpu.barrier_arrive(turn)
-        plgpu.barrier_wait(turn)
+    turn_taken = functools.partial(take_turn, turn)
 
     @pl.when(wg < 2)
     def _compute():
@@ -193,10 +231,7 @@ def _kernel(start_ref, length_ref, row_ref, max_pos_ref, page_table_ref, pos_ref
         qo = qo_smem2.at[wg]
         tpw = WG_ROWS // hg  # tokens of this warpgroup
         first = wg * tpw
-        for i in range(tpw):  # rows i*hg .. : token first + i's heads of group g (a clamped token past n is unused)
-            t = jnp.minimum(t0 + first + i, T - 1)
-            plgpu.copy_gmem_to_smem(q_ref.at[t, pl.ds(g * hg, hg)], qo.at[pl.ds(i * hg, hg)],
-                                    q_loaded.at[wg * tpw + i])
+        load_query_rows(q_ref, qo, q_loaded, t0=t0, first=first, wg=wg, g=g, hg=hg)
 
         pos_row, min_pos = row_positions(pos_ref, t0, first, n, rows_per_token=hg, cols=kt, num_tokens=T)
         if listed:  # every step masked: a row sees a listed block only when its token owns it
@@ -205,23 +240,20 @@ def _kernel(start_ref, length_ref, row_ref, max_pos_ref, page_table_ref, pos_ref
         else:
             whole_steps = jnp.where(min_pos == NO_ROW, 0,
                                     jnp.minimum((min_pos + 1) // ps, num_pages)) * steps_per_page
-        for i in range(tpw):
-            plgpu.barrier_wait(q_loaded.at[wg * tpw + i])
+        wait_query_rows(q_loaded, wg, hg)
 
         c = scale * LOG2E  # m is kept in units of c * score: p = 2^(c s - m)
-        m_i = plgpu.layout_cast(jnp.full((WG_ROWS,), M_INIT, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-        l_i = plgpu.layout_cast(jnp.full((WG_ROWS,), 0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-        acc = plgpu.layout_cast(jnp.full((WG_ROWS, D), 0, jnp.float32), plgpu.Layout.WGMMA)
+        acc, m_i, l_i = softmax_start(D)
 
         @pl.when(num_steps > 0)
         def _():
             plgpu.barrier_wait(k_loaded.at[0])
 
-        pl.when(wg == 1)(take_turn)
+        pl.when(wg == 1)(turn_taken)
 
         def step(s, carry, masked: bool):
             slot = lax.rem(s, stages)
-            s_ = scores(qo, k_smem.at[slot], kt, take_turn)
+            s_ = scores(qo, k_smem.at[slot], kt, turn_taken)
             plgpu.barrier_arrive(k_used.at[slot])
             if masked:
                 if listed:
@@ -244,7 +276,7 @@ def _kernel(start_ref, length_ref, row_ref, max_pos_ref, page_table_ref, pos_ref
 
         carry = lax.fori_loop(0, whole_steps, functools.partial(step, masked=False), (acc, m_i, l_i))
         acc, m_i, l_i = lax.fori_loop(whole_steps, num_steps, functools.partial(step, masked=True), carry)
-        pl.when(wg == 0)(take_turn)
+        pl.when(wg == 0)(turn_taken)
 
         acc = acc / per_row(jnp.where(l_i > 0, l_i, 1.0), acc.shape[1])
         qo[...] = acc.astype(qo.dtype)
@@ -260,10 +292,8 @@ def _kernel(start_ref, length_ref, row_ref, max_pos_ref, page_table_ref, pos_ref
         plgpu.set_max_registers(40, action="decrease")
 
         def load(s, slot):
-            page = page_table_ref[row, logical_page(s)]
-            keys = pl.ds(lax.rem(s, steps_per_page) * kt, kt)
-            plgpu.copy_gmem_to_smem(k_ref.at[page, keys, g], k_smem.at[slot], k_loaded.at[slot])
-            plgpu.copy_gmem_to_smem(v_ref.at[page, keys, g], v_smem.at[slot], v_loaded.at[slot])
+            load_kv(k_ref, v_ref, k_smem, v_smem, k_loaded, v_loaded, page=page_table_ref[row, logical_page(s)],
+                    key0=lax.rem(s, steps_per_page) * kt, kt=kt, g=g, slot=slot)
 
         stream_pages(load, num_steps, stages, (k_used, v_used))
 

@@ -32,6 +32,8 @@ memory, so P goes through a shared-memory tile there; that is the only differenc
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -40,18 +42,22 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.attention.kernel_mgpu import (
     LOG2E,
-    M_INIT,
     WG_ROWS,
     heaviest_first,
     launch,
+    load_kv,
+    load_query_rows,
     per_row,
     row_positions,
     scores,
     smem_tiles,
     softmax_and_pv,
+    softmax_start,
     split_token_attention,
     stream_pages,
+    take_turn,
     token_bits,
+    wait_query_rows,
 )
 
 
@@ -88,28 +94,20 @@ def _kernel(start_ref, length_ref, row_ref, page_table_ref, pos_ref, list_ref, o
     def step_page(s):  # list entry of step s, and its page key offset (a padding step re-reads the last entry)
         return jnp.minimum(s // steps_per_page, count - 1), lax.rem(s, steps_per_page) * kt
 
-    def take_turn():
-        plgpu.barrier_arrive(turn)
-        plgpu.barrier_wait(turn)
+    turn_taken = functools.partial(take_turn, turn)
 
     @pl.when(wg < 2)
     def _compute():
         plgpu.set_max_registers(232, action="increase")
         qo = qo_smem2.at[wg]
         tpb = WG_ROWS // hg
-        for i in range(tpb):  # rows i*hg .. : token i's heads of group g (a clamped token past n is unused)
-            t = jnp.minimum(t0 + i, T - 1)
-            plgpu.copy_gmem_to_smem(q_ref.at[t, pl.ds(g * hg, hg)], qo.at[pl.ds(i * hg, hg)],
-                                    q_loaded.at[wg * tpb + i])
+        load_query_rows(q_ref, qo, q_loaded, t0=t0, first=0, wg=wg, g=g, hg=hg)  # both: the block's tokens
         pos_row, _ = row_positions(pos_ref, t0, 0, n, rows_per_token=hg, cols=kt, num_tokens=T)
         tok_bit = token_bits(0, hg, kt)
-        for i in range(tpb):
-            plgpu.barrier_wait(q_loaded.at[wg * tpb + i])
+        wait_query_rows(q_loaded, wg, hg)
 
         c = scale * LOG2E  # m is kept in units of c * score: p = 2^(c s - m)
-        m_i = plgpu.layout_cast(jnp.full((WG_ROWS,), M_INIT, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-        l_i = plgpu.layout_cast(jnp.full((WG_ROWS,), 0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-        acc = plgpu.layout_cast(jnp.full((WG_ROWS, D), 0, jnp.float32), plgpu.Layout.WGMMA)
+        acc, m_i, l_i = softmax_start(D)
 
         # With two buffers or more per warpgroup, the next step's K is waited for beside this step's P @ V (as in
         # the dense kernel); with one, that buffer is this step's, free only after it: wait at the step's start.
@@ -118,7 +116,7 @@ def _kernel(start_ref, length_ref, row_ref, page_table_ref, pos_ref, list_ref, o
         if ahead:
             pl.when(wg < num_steps)(lambda: plgpu.barrier_wait(k_loaded.at[wg]))
 
-        pl.when(wg == 1)(take_turn)
+        pl.when(wg == 1)(turn_taken)
 
         def step(j, carry):
             s = 2 * j + wg
@@ -128,7 +126,7 @@ def _kernel(start_ref, length_ref, row_ref, page_table_ref, pos_ref, list_ref, o
             key0 = list_ref[qb, g, entry] * ps + key0
             if not ahead:
                 plgpu.barrier_wait(k_loaded.at[slot])
-            s_ = scores(qo, k_smem.at[slot], kt, take_turn)
+            s_ = scores(qo, k_smem.at[slot], kt, turn_taken)
             plgpu.barrier_arrive(k_used.at[slot])
             # A row sees a key when its token owns the block and the key is not past the token's position.
             limit = jnp.where((tok_bit & owners) != 0, pos_row, -1)
@@ -146,7 +144,7 @@ def _kernel(start_ref, length_ref, row_ref, page_table_ref, pos_ref, list_ref, o
             return carry
 
         acc, m_i, l_i = lax.fori_loop(0, num_steps // 2, step, (acc, m_i, l_i))
-        pl.when(wg == 0)(take_turn)
+        pl.when(wg == 0)(turn_taken)
 
         @pl.when(wg == 1)
         def _hand_over():
@@ -179,10 +177,8 @@ def _kernel(start_ref, length_ref, row_ref, page_table_ref, pos_ref, list_ref, o
 
         def load(s, slot):
             entry, key0 = step_page(s)
-            page = page_table_ref[row, list_ref[qb, g, entry]]
-            keys = pl.ds(key0, kt)
-            plgpu.copy_gmem_to_smem(k_ref.at[page, keys, g], k_smem.at[slot], k_loaded.at[slot])
-            plgpu.copy_gmem_to_smem(v_ref.at[page, keys, g], v_smem.at[slot], v_loaded.at[slot])
+            load_kv(k_ref, v_ref, k_smem, v_smem, k_loaded, v_loaded, page=page_table_ref[row, list_ref[qb, g, entry]],
+                    key0=key0, kt=kt, g=g, slot=slot)
 
         stream_pages(load, num_steps, stages, (k_used, v_used))
 

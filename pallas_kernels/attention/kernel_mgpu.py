@@ -130,12 +130,19 @@ def scores(qo, k_tile, kt: int, take_turn) -> jax.Array:
     return pl.run_scoped(qk, plgpu.ACC((WG_ROWS, kt), jnp.float32))
 
 
-def softmax_and_pv(s_: jax.Array, carry: tuple, c: float, *, v_tile, v_loaded, turn, p_tile, after_pv,
+def mask_keys(s_: jax.Array, key0: jax.Array, limit_row: jax.Array) -> jax.Array:
+    """Scores of keys key0 .. key0 + kt - 1, -inf past each row's limit (its position; -1: the row sees none)."""
+    kpos = plgpu.broadcasted_iota(jnp.int32, s_.shape, 1, layout=plgpu.Layout.WGMMA) + key0
+    return jnp.where(kpos <= per_row(limit_row, s_.shape[1]), s_, -jnp.inf)
+
+
+def softmax_and_pv(s_: jax.Array, carry: tuple, c: float, *, v_tile, v_loaded, v_used, turn, p_tile, after_pv,
                    interpret: bool) -> tuple:
     """One key step of the online softmax over masked scores `s_` (base 2: the running max m is kept in units of
     c * score, p = 2^(c s - m)) and P @ V into the accumulator, P staying in registers as wgmma's A operand.
     `carry`: (acc, m, l). The turn is handed over once the softmax is done and taken back before P @ V;
-    `after_pv()` runs once P @ V is issued (the next step's K wait). In the interpreter (`p_tile`: a shared tile),
+    `after_pv()` runs once P @ V is issued (the next step's K wait); `v_used` is arrived at once it is done. In the
+    interpreter (`p_tile`: a shared tile),
     which runs wgmma from shared memory only and has no rule for run_state, P goes through shared memory and
     P @ V into a fresh accumulator added to acc (the same sum, rounded once more)."""
     acc, m_i, l_i = carry
@@ -166,6 +173,7 @@ def softmax_and_pv(s_: jax.Array, carry: tuple, c: float, *, v_tile, v_loaded, t
         acc = acc + pl.run_scoped(pv_fresh, plgpu.ACC((WG_ROWS, acc.shape[1]), jnp.float32))
     else:
         acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+    plgpu.barrier_arrive(v_used)
     return acc, m_new, l_i
 
 
@@ -262,17 +270,14 @@ def _kernel(start_ref, length_ref, row_ref, max_pos_ref, page_table_ref, pos_ref
                 else:
                     key0 = s * kt  # pages are read in logical order: step s holds keys s*kt ..
                     limit = pos_row
-                kpos = plgpu.broadcasted_iota(jnp.int32, (WG_ROWS, kt), 1, layout=plgpu.Layout.WGMMA) + key0
-                s_ = jnp.where(kpos <= per_row(limit, s_.shape[1]), s_, -jnp.inf)
+                s_ = mask_keys(s_, key0, limit)
 
             def next_k():
                 pl.when(s + 1 < num_steps)(lambda: plgpu.barrier_wait(k_loaded.at[lax.rem(s + 1, stages)]))
 
-            carry = softmax_and_pv(s_, carry, c, v_tile=v_smem.at[slot], v_loaded=v_loaded.at[slot], turn=turn,
-                                   p_tile=p_smem2.at[wg] if interpret else None, after_pv=next_k,
-                                   interpret=interpret)
-            plgpu.barrier_arrive(v_used.at[slot])
-            return carry
+            return softmax_and_pv(s_, carry, c, v_tile=v_smem.at[slot], v_loaded=v_loaded.at[slot],
+                                  v_used=v_used.at[slot], turn=turn, p_tile=p_smem2.at[wg] if interpret else None,
+                                  after_pv=next_k, interpret=interpret)
 
         carry = lax.fori_loop(0, whole_steps, functools.partial(step, masked=False), (acc, m_i, l_i))
         acc, m_i, l_i = lax.fori_loop(whole_steps, num_steps, functools.partial(step, masked=True), carry)

@@ -47,6 +47,7 @@ from pallas_kernels.attention.kernel_mgpu import (
     launch,
     load_kv,
     load_query_rows,
+    mask_keys,
     per_row,
     row_positions,
     scores,
@@ -130,18 +131,15 @@ def _kernel(start_ref, length_ref, row_ref, page_table_ref, pos_ref, list_ref, o
             plgpu.barrier_arrive(k_used.at[slot])
             # A row sees a key when its token owns the block and the key is not past the token's position.
             limit = jnp.where((tok_bit & owners) != 0, pos_row, -1)
-            kpos = plgpu.broadcasted_iota(jnp.int32, (WG_ROWS, kt), 1, layout=plgpu.Layout.WGMMA) + key0
-            s_ = jnp.where(kpos <= per_row(limit, kt), s_, -jnp.inf)
+            s_ = mask_keys(s_, key0, limit)
 
             def next_k():
                 if ahead:
                     pl.when(s + 2 < num_steps)(lambda: plgpu.barrier_wait(k_loaded.at[lax.rem(s + 2, stages)]))
 
-            carry = softmax_and_pv(s_, carry, c, v_tile=v_smem.at[slot], v_loaded=v_loaded.at[slot], turn=turn,
-                                   p_tile=p_smem2.at[wg] if interpret else None, after_pv=next_k,
-                                   interpret=interpret)
-            plgpu.barrier_arrive(v_used.at[slot])
-            return carry
+            return softmax_and_pv(s_, carry, c, v_tile=v_smem.at[slot], v_loaded=v_loaded.at[slot],
+                                  v_used=v_used.at[slot], turn=turn, p_tile=p_smem2.at[wg] if interpret else None,
+                                  after_pv=next_k, interpret=interpret)
 
         acc, m_i, l_i = lax.fori_loop(0, num_steps // 2, step, (acc, m_i, l_i))
         pl.when(wg == 0)(turn_taken)

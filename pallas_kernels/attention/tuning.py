@@ -74,8 +74,9 @@ class AttentionTiles:
     mask_every_page: bool = False
     # Dense: "triton" (kernel.py) or "mosaic" (kernel_mgpu.py: warp-specialised, TMA-fed wgmma, for prefill-sized
     # steps; `key_tile` keys per step and `num_stages` K/V buffers; bt is its own, 2 x 64 rows / heads per group).
-    # Block-sparse union (block_major 0): "mosaic" is msa/sparse_mgpu.py, query blocks of 64 rows / heads per
-    # group tokens whose two compute warpgroups take alternate pages; an even `num_stages`.
+    # Block-sparse union (block_major 0): "mosaic" is msa/sparse_mgpu.py in one of two forms by `bt`: 2 x 64 rows
+    # / heads per group tokens, each compute warpgroup its own on one page stream (`sparse_mgpu.shared_form`), or
+    # 64 rows / heads per group tokens whose two compute warpgroups take alternate pages (an even `num_stages`).
     backend: str = "triton"
 
 

@@ -55,6 +55,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--seconds", type=float, default=20.0)
     ap.add_argument("--summarise", default=None, help="a py-spy raw file to summarise instead")
+    ap.add_argument("--no-mosaic", action="store_true",
+                    help="the Triton kernels where the Hopper dispatch would pick the Mosaic GPU ones (to compare)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     if args.summarise:
@@ -69,6 +71,11 @@ def main() -> None:
     from m3jax.settings import Settings
     from serving.core import EngineCore
     from serving.outputs import SamplingParams
+
+    if args.no_mosaic:  # the two names the tile tables ask (as tests/test_step_lowering.py patches them)
+        import pallas_kernels.attention.dispatch as attention_dispatch
+        import pallas_kernels.moe.kernel as moe_kernel
+        attention_dispatch.wgmma_device = moe_kernel.wgmma_device = lambda: False
 
     settings = Settings(model=args.model, max_num_seqs=128, max_model_len=2176, max_num_batched_tokens=8192,
                         progress=False)
@@ -88,6 +95,8 @@ def main() -> None:
         host = jax.device_put(runner.host_pack("forward", num_tokens).pack(forward_args))
         calls[name] = (runner.executable("forward", num_tokens), host, num_tokens)
 
+    waited: dict[str, list[float]] = {name: [] for name in calls}
+
     def dispatch(name: str) -> float:
         fwd, host, _ = calls[name]
         t0 = time.perf_counter()
@@ -95,11 +104,14 @@ def main() -> None:
                                                        runner.prev_tokens, host)
         t = time.perf_counter() - t0
         jax.block_until_ready(greedy_out)
+        waited[name].append(time.perf_counter() - t0)
         return t
 
     for name in calls:
         for _ in range(3):
             dispatch(name)
+    for v in waited.values():  # the warm-up's calls are not counted
+        v.clear()
     print(f"READY pid={os.getpid()}", flush=True)
     times: dict[str, list[float]] = {name: [] for name in calls}
     end = time.perf_counter() + args.seconds
@@ -110,6 +122,9 @@ def main() -> None:
            **{f"{n}_tokens": calls[n][2] for n in calls},
            **{f"{n}_dispatch_s": statistics.median(v) for n, v in times.items()},
            **{f"{n}_calls": len(v) for n, v in times.items()},
+           # dispatch + the wait for its result: the call's wall time, one at a time
+           **{f"{n}_call_s": statistics.median(v) for n, v in waited.items()},
+           "kernels": "triton" if args.no_mosaic else "table", "xla_flags": os.environ.get("XLA_FLAGS", ""),
            "device": jax.devices()[0].device_kind, "git_rev": git_rev()}
     print(json.dumps(rec), flush=True)
     Path(args.out).write_text(json.dumps(rec, indent=1) + "\n")

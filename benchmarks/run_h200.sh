@@ -37,6 +37,10 @@
 #             SPEC_FORMAT=mxfp8 the experts' format
 #   dispatch  the host's time dispatching the engine's prefill and decode executables, with a py-spy native
 #             profile of it (what the dispatch waits for)
+#   dispatchflags  the engine's prefill / decode dispatch and call times (profile_dispatch.py, no profiler) with the
+#             table's kernels under XLA's default command buffers, with command buffers off, with custom calls
+#             kept out of them, and with the Triton kernels instead of the Mosaic GPU ones: what the Mosaic
+#             launches cost on the host, and whether a flag removes it (one process per variant)
 #   slice     the m3-slice decode step at batch 1 / 32 / 128 against its HBM floor (issue 23)
 #   projection  one GPU of a TP8 / EP8 deployment with MXFP8 experts, the small-M linears, the projection (issue 23)
 #   serve     the benchmark contract through `m3jax serve` + `m3jax bench serve`, with the bare step beside it
@@ -136,6 +140,17 @@ for what in "$@"; do
       timeout "${SPEC_TIMEOUT:-240}" python3 benchmarks/bench_spec.py --models ${SPEC_MODELS:-${MODEL:-m3-slice}} --moe-format "${SPEC_FORMAT:-bf16}" \
         --batches ${SPEC_BATCHES:-1 8 32 64} --ks 3 --context 2048 --also-general --temperature 1.0 \
         --out "$OUT/spec-${GPU_NAME:-h200}-sampled.json"
+      ;;
+    dispatchflags)
+      gpu="${GPU_NAME:-h200}"
+      run() {  # name, then profile_dispatch.py's extra arguments; XLA_FLAGS from the caller
+        timeout "${DISPATCH_TIMEOUT:-150}" python3 benchmarks/profile_dispatch.py --model "${MODEL:-m3-slice}" \
+          --seconds 6 "${@:2}" --out "$OUT/dispatch-$1-$gpu.json" | grep -v READY
+      }
+      run table
+      XLA_FLAGS=--xla_gpu_enable_command_buffer= run table-nocmdbuf
+      XLA_FLAGS=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUDNN run table-nocustomcmdbuf
+      run triton --no-mosaic
       ;;
     dispatch)
       # The host's dispatch of the engine's prefill and decode executables, under py-spy's native sampler.

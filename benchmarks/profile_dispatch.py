@@ -77,8 +77,9 @@ def main() -> None:
         import pallas_kernels.moe.kernel as moe_kernel
         attention_dispatch.wgmma_device = moe_kernel.wgmma_device = lambda: False
 
+    # The executable cache's key does not see the kernel patch above: --no-mosaic compiles its own.
     settings = Settings(model=args.model, max_num_seqs=128, max_model_len=2176, max_num_batched_tokens=8192,
-                        progress=False)
+                        progress=False, enable_compilation_cache=not args.no_mosaic)
     core = EngineCore(settings)  # never started: this thread steps it
     runner, cfg = core.runner, core.model.cfg
     with recorded_launches(runner) as launched:

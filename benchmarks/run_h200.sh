@@ -151,6 +151,13 @@ for what in "$@"; do
       XLA_FLAGS=--xla_gpu_enable_command_buffer= run table-nocmdbuf
       XLA_FLAGS=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUDNN run table-nocustomcmdbuf
       run triton --no-mosaic
+      # The bare step's wall and kernel-busy time (GPU trace) at batch 1 / 32 and a 1k prefill, command buffers
+      # on and off.
+      for flags in "" --xla_gpu_enable_command_buffer=; do
+        XLA_FLAGS=$flags timeout "${SLICE_TIMEOUT:-150}" python3 benchmarks/bench_slice_decode.py \
+          --preset "${MODEL:-m3-slice}" --batches 1 32 --prefill-lens 1024 \
+          --out "$OUT/slice-decode-$gpu${flags:+-nocmdbuf}.json" | tail -4
+      done
       ;;
     dispatch)
       # The host's dispatch of the engine's prefill and decode executables, under py-spy's native sampler.

@@ -152,6 +152,7 @@ def main() -> None:
                 "per_layer_ratio": per_layer / layer_floor, "bytes": b, "compile_s": compile_s,
                 "device": jax.devices()[0].device_kind, "git_rev": rev, "jax": jax.__version__,
                 "reference_time_s": None, **prof,
+                **({"timeline": tl} if (tl := device_timeline(step_only)) else {}),
                 **({"lm_head_busy_s": head_busy, "busy_ratio": prof["device_busy_s"] / floor_s,
                     "per_layer_busy_s": (prof["device_busy_s"] - head_busy) / cfg.num_layers,
                     "per_layer_busy_ratio": (prof["device_busy_s"] - head_busy) / cfg.num_layers / layer_floor}

@@ -106,7 +106,11 @@ def main() -> None:
     rev = git_rev()
     def first_step(kv, batch) -> tuple[object, object, float]:
         """(a synchronous step on `batch`, the same step without the wait (it returns its logits: for the GPU
-        trace), the first call's seconds: the compile). Both carry the page pool from step to step."""
+        trace), the first call's seconds: the compile). Both carry the page pool from step to step. The batch is
+        on the device before the first step, as the engine's one packed copy a step puts it: given as host
+        arrays, each of its eight fields was a copy of its own at every step, and the device sat idle for them
+        (~0.3 ms a step on the H100, docs/benchmarks.md)."""
+        batch = jax.device_put(batch)
         state = {"kv": kv}
 
         def step_only():

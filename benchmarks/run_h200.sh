@@ -39,8 +39,8 @@
 #             profile of it (what the dispatch waits for)
 #   dispatchflags  the engine's prefill / decode dispatch and call times (profile_dispatch.py, no profiler) with the
 #             table's kernels under XLA's default command buffers, with command buffers off, with custom calls
-#             kept out of them, and with the Triton kernels instead of the Mosaic GPU ones: what the Mosaic
-#             launches cost on the host, and whether a flag removes it (one process per variant)
+#             kept out of them, and with the Triton kernels instead of the Mosaic GPU ones (one process per
+#             variant); then the bare step (bench_slice_decode.py) with command buffers on and off
 #   slice     the m3-slice decode step at batch 1 / 32 / 128 against its HBM floor (issue 23)
 #   projection  one GPU of a TP8 / EP8 deployment with MXFP8 experts, the small-M linears, the projection (issue 23)
 #   serve     the benchmark contract through `m3jax serve` + `m3jax bench serve`, with the bare step beside it

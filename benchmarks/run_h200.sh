@@ -25,6 +25,9 @@
 #             (issue 28's "MXFP8 MoE at T = 8192 within 1.2x of the bf16 kernel"); the table's tiles are timed as
 #             sweep rows (--sweep-table), so it fits an 80 GB H100, where the main table's 8192-token reference
 #             check (48 GB beside the weights) does not
+#   moemid    MXFP8 experts at mid sizes (T = 512 / 1024 / 2048, the 1k prefill's and mixed steps' MoE): the
+#             Triton table's tiles against the Mosaic GPU "swap" kernels, which the table takes only above 2048
+#             tokens; checked against the reference (whether MOSAIC_TABLE should take the mid regime too)
 #   invnext   moeinv, then the engine's invariance under --batch-invariant against the default-mode record of
 #             BASELINE (default: rev 30e16d2's), in one call (~7 min)
 #   invcost   the bare decode step and a 1k prefill with and without --batch-invariant, kernel by kernel (issue 27)
@@ -111,6 +114,12 @@ for what in "$@"; do
       # An 8k prompt's bare prefill on m3-slice: the model's part of its time to first token.
       timeout 150 python3 benchmarks/bench_slice_decode.py --preset "${MODEL:-m3-slice}" --batches 1 \
         --context 8192 --prefill-lens 8192 --out "$OUT/slice-prefill-8k-$gpu.json"
+      ;;
+    moemid)
+      timeout "${MOEMID_TIMEOUT:-330}" python3 benchmarks/bench_moe.py --formats mxfp8 --tokens 512 1024 2048 \
+        --main-max-tokens 0 --ref-time-max-tokens 0 --kernels-only-tokens 0 --in-graph-max-tokens 0 --sweep 1 \
+        --sweep-table --sweep-cases 512:mxfp8 1024:mxfp8 2048:mxfp8 --sweep-first 3 \
+        --out "$OUT/moe-mid-mx-${GPU_NAME:-h200}.json"
       ;;
     moemx)
       timeout "${MOEMX_TIMEOUT:-330}" python3 benchmarks/bench_moe.py --formats mxfp8 bf16 --tokens 2048 8192 \

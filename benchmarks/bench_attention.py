@@ -205,7 +205,7 @@ def _normal(key: jax.Array, shape: tuple[int, ...], dtype: Any) -> jax.Array:
 
 
 def make_case(key: jax.Array, s: Shapes, kind: str, batch: int, context: int, n_rot: int, pool_factor: int,
-              dtype: Any, locality: float = 0.0) -> Case:
+              dtype: Any, locality: float = 0.0, shared_step_inputs: bool = False) -> Case:
     """Decode: `batch` requests at `context` tokens, one query row each (position context - 1).
     Prefill: one request, a chunk of `context` rows at positions 0 .. context - 1.
 
@@ -214,7 +214,12 @@ def make_case(key: jax.Array, s: Shapes, kind: str, batch: int, context: int, n_
     may; 0: independent random queries. On the CPU reference at a 4k chunk (tokens 2048-4095, M3 shapes), 4
     consecutive tokens select 23.8 distinct blocks per group with independent queries and 17.2 with locality 256
     (64 tokens: 24.5 and 19.7), against 16 each: the overlap that decides between the union and the block-major
-    prefill kernels (recorded per prefill row as `selection_overlap`)."""
+    prefill kernels (recorded per prefill row as `selection_overlap`).
+
+    `shared_step_inputs`: every set holds the same `token_row` / `pos` arrays (their values are equal anyway), so
+    that the in-graph timing's copies compute what depends on them alone (the query-block metadata) once, as a
+    model's layers would if XLA hoists it out of the layer scan (docs/benchmarks.md); the case name ends in
+    "-shared"."""
     P = -(-context // s.ps)
     R = batch if kind == "decode" else 1
     T = batch if kind == "decode" else context
@@ -235,16 +240,19 @@ def make_case(key: jax.Array, s: Shapes, kind: str, batch: int, context: int, n_
         else:
             pos = np.arange(T, dtype=np.int32)
             row = np.zeros(T, np.int32)
+        row, pos = jnp.asarray(row), jnp.asarray(pos)
+        if shared_step_inputs and sets:  # the first set's arrays themselves
+            row, pos = sets[0]["token_row"], sets[0]["pos"]
         iq = jax.random.normal(ks[5 + 2 * r], (T, s.K, s.Di), jnp.float32)
         if locality > 0:
             u, v = (jax.random.normal(k, (1, s.K, s.Di), jnp.float32) for k in jax.random.split(ks[5 + 2 * r]))
             phase = (jnp.arange(T, dtype=jnp.float32) / locality)[:, None, None]
             iq = u * jnp.cos(phase) + v * jnp.sin(phase) + 0.05 * iq
         sets.append(dict(q=jax.random.normal(ks[4 + 2 * r], (T, s.H, s.D), dtype), iq=iq.astype(dtype),
-                         page_table=jnp.asarray(table), token_row=jnp.asarray(row), pos=jnp.asarray(pos)))
+                         page_table=jnp.asarray(table), token_row=row, pos=pos))
     name = f"{kind}-b{batch}-{context // 1024}k" if context >= 1024 else f"{kind}-b{batch}-{context}"
-    return Case(name + (f"-loc{locality:g}" if locality > 0 else ""), kind, batch, context, k_pages, v_pages,
-                ik_pages, sets)
+    name += (f"-loc{locality:g}" if locality > 0 else "") + ("-shared" if shared_step_inputs else "")
+    return Case(name, kind, batch, context, k_pages, v_pages, ik_pages, sets)
 
 
 def _ints_like(x: jax.Array) -> jax.Array:
@@ -751,6 +759,8 @@ def main() -> None:
                     help="the tiles of --batch-invariant serving (KernelChoice.batch_invariant) instead of the table's")
     ap.add_argument("--in-graph-prefill", action="store_true",
                     help="time the prefill ops inside a jitted graph too (IN_GRAPH_COPIES calls on fresh queries)")
+    ap.add_argument("--shared-step-inputs", action="store_true",
+                    help="prefill cases whose copies share token_row / pos (make_case's shared_step_inputs)")
     ap.add_argument("--render", metavar="JSON", help="print the markdown table of a results file and exit")
     a = ap.parse_args()
     global VARIANTS
@@ -792,7 +802,7 @@ def main() -> None:
     for locality in (a.prefill_locality if a.prefill else []):
         ctx = 128 if a.small else a.prefill
         case = make_case(jax.random.key(1), s, "prefill", 1, ctx, n_rot=2, pool_factor=2, dtype=dtype,
-                         locality=locality)
+                         locality=locality, shared_step_inputs=a.shared_step_inputs)
         run_variants = bench_case(case, s, rec, small=a.small, interpret=interpret, with_reference=False)
         run_variants(deadline)
         del case, run_variants

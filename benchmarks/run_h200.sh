@@ -25,6 +25,9 @@
 #             (issue 28's "MXFP8 MoE at T = 8192 within 1.2x of the bf16 kernel"); the table's tiles are timed as
 #             sweep rows (--sweep-table), so it fits an 80 GB H100, where the main table's 8192-token reference
 #             check (48 GB beside the weights) does not
+#   hoist     whether the GPU's XLA moves the query-block metadata out of a layer scan (check_hoisting.py), then
+#             the closing run's attention rows with the in-graph copies sharing token_row / pos, as a model's
+#             layers do when it does (bench_attention.py --shared-step-inputs; compare with `closing`'s rows)
 #   moemid    MXFP8 experts at mid sizes (T = 512 / 1024 / 2048, the 1k prefill's and mixed steps' MoE): the
 #             Triton table's tiles against the Mosaic GPU "swap" kernels, which the table takes only above 2048
 #             tokens; checked against the reference (whether MOSAIC_TABLE should take the mid regime too)
@@ -114,6 +117,13 @@ for what in "$@"; do
       # An 8k prompt's bare prefill on m3-slice: the model's part of its time to first token.
       timeout 150 python3 benchmarks/bench_slice_decode.py --preset "${MODEL:-m3-slice}" --batches 1 \
         --context 8192 --prefill-lens 8192 --out "$OUT/slice-prefill-8k-$gpu.json"
+      ;;
+    hoist)
+      gpu="${GPU_NAME:-h200}"
+      python3 benchmarks/check_hoisting.py --out "$OUT/hoisting-$gpu.json"
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.94 timeout 240 python3 benchmarks/bench_attention.py --contexts "" \
+        --variants none --in-graph-prefill --prefill-locality 0 256 --warm-up-s 2 --shared-step-inputs \
+        --out "$OUT/attention-closing-shared-$gpu.json"
       ;;
     moemid)
       timeout "${MOEMID_TIMEOUT:-330}" python3 benchmarks/bench_moe.py --formats mxfp8 --tokens 512 1024 2048 \

@@ -67,6 +67,10 @@ set -x
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:.:.pylib PYTHONUNBUFFERED=1 M3JAX_NO_PROGRESS=1
 nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv
+closing_attention() {  # issue 28's 8k prefill attention rows in graph: results file, then extra flags
+  XLA_PYTHON_CLIENT_MEM_FRACTION=0.94 timeout 240 python3 benchmarks/bench_attention.py --contexts "" \
+    --variants none --in-graph-prefill --prefill-locality 0 256 --warm-up-s 2 "${@:2}" --out "$1"
+}
 for what in "$@"; do
   case "$what" in
     startup)
@@ -107,9 +111,7 @@ for what in "$@"; do
       ;;
     closing)
       gpu="${GPU_NAME:-h200}"
-      XLA_PYTHON_CLIENT_MEM_FRACTION=0.94 timeout 240 python3 benchmarks/bench_attention.py --contexts "" \
-        --variants none --in-graph-prefill --prefill-locality 0 256 --warm-up-s 2 \
-        --out "$OUT/attention-closing-$gpu.json"
+      closing_attention "$OUT/attention-closing-$gpu.json"
       timeout 300 python3 benchmarks/bench_moe.py --formats bf16 mxfp8 --tokens 8192 --sweep 0 \
         --in-graph-max-tokens 8192 --ref-time-max-tokens 0 --kernels-only-tokens 0 --out "$OUT/moe-closing-$gpu.json"
       python3 benchmarks/prefill_closing.py --attention "$OUT/attention-closing-$gpu.json" \
@@ -121,9 +123,7 @@ for what in "$@"; do
     hoist)
       gpu="${GPU_NAME:-h200}"
       python3 benchmarks/check_hoisting.py --out "$OUT/hoisting-$gpu.json"
-      XLA_PYTHON_CLIENT_MEM_FRACTION=0.94 timeout 240 python3 benchmarks/bench_attention.py --contexts "" \
-        --variants none --in-graph-prefill --prefill-locality 0 256 --warm-up-s 2 --shared-step-inputs \
-        --out "$OUT/attention-closing-shared-$gpu.json"
+      closing_attention "$OUT/attention-closing-shared-$gpu.json" --shared-step-inputs
       ;;
     moemid)
       timeout "${MOEMID_TIMEOUT:-330}" python3 benchmarks/bench_moe.py --formats mxfp8 --tokens 512 1024 2048 \

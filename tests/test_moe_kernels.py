@@ -546,11 +546,16 @@ def test_tile_table_covers_m3() -> None:
 
 
 def test_mosaic_table_only_where_the_device_runs_it() -> None:
-    """MXFP8 prefill takes the Mosaic GPU entry when the caller says the device runs it; every other regime and
-    format keeps the Triton table, and on this CPU `kernel_tiles` never asks for it."""
+    """MXFP8 from 1,024 tokens takes the Mosaic GPU entry when the caller says the device runs it; fewer tokens,
+    and every other format, keep the Triton table, and on this CPU `kernel_tiles` never asks for it."""
     from pallas_kernels.moe.tiles import GPU_TABLE, MOSAIC_TABLE, pick_tiles
 
-    assert pick_tiles(8192, "mxfp8", mosaic=True) == MOSAIC_TABLE[("prefill", "mxfp8")]
+    from_tokens, mosaic_tiles = MOSAIC_TABLE["mxfp8"]
+    assert pick_tiles(8192, "mxfp8", mosaic=True) == mosaic_tiles
+    for T in (from_tokens, 2048):  # the mid regime's upper sizes, with the regime named as the call's
+        assert pick_tiles(T, "mxfp8", mosaic=True) == mosaic_tiles.replace(regime="mid"), T
+    assert pick_tiles(from_tokens - 1, "mxfp8", mosaic=True) == GPU_TABLE[("mid", "mxfp8")]
+    assert pick_tiles(512, "mxfp8", mosaic=True) == GPU_TABLE[("mid", "mxfp8")]
     assert pick_tiles(8192, "mxfp8") == GPU_TABLE[("prefill", "mxfp8")]
     assert pick_tiles(8192, "dense", mosaic=True) == GPU_TABLE[("prefill", "dense")]
     assert pick_tiles(64, "mxfp8", mosaic=True) == GPU_TABLE[("decode", "mxfp8")]

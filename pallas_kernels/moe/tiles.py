@@ -153,15 +153,19 @@ GPU_TABLE: dict[tuple[str, str], MoeTiles] = {
                                    tail_heights=(32, 64), mx_rows=64),
 }
 # The Mosaic GPU kernels (kernel_mgpu.py), where the device runs them (`device.wgmma_device`) and the entry takes the
-# layer's shapes as it stands (`kernel.kernel_tiles`). MXFP8 prefill: "swap", the weights widened in registers as
-# wgmma's A operand, down at 3 stages. T = 8192, H100: 11.28 ms (kernel-busy 11.13) against 20.07 ms (18.56) for
-# the Triton entry above in the same run (benchmarks/results/moe-mosaic-mx-h100-8aad53c.json, where it is
-# "swap_down"), and 10.16-10.45 ms for bf16 experts in three earlier runs (-5da6a56, -5d34121, -fc8ba0f):
-# 1.08-1.11x. Equal to the Triton kernels and the reference on the GPU (mosaic-check-h100-7de202a.json).
-MOSAIC_TABLE: dict[tuple[str, str], MoeTiles] = {
-    ("prefill", "mxfp8"): MoeTiles("prefill", bm=128, gu=_K(bn=128, bk=128, warps=4, stages=2),
-                                   dn=_K(bn=128, bk=128, warps=4, stages=3), group=1, backend="mosaic",
-                                   mx_widen="swap"),
+# layer's shapes as it stands (`kernel.kernel_tiles`): per format, the smallest token count that takes them and the
+# tiles. MXFP8: "swap", the weights widened in registers as wgmma's A operand, down at 3 stages.
+# - T = 8192, H100: 11.28 ms (kernel-busy 11.13) against 20.07 ms (18.56) for the Triton prefill entry in the same
+#   run (benchmarks/results/moe-mosaic-mx-h100-8aad53c.json, where it is "swap_down"), and 10.16-10.45 ms for bf16
+#   experts in three earlier runs (-5da6a56, -5d34121, -fc8ba0f): 1.08-1.11x.
+# - Mid sizes against the Triton mid entry, H100, one process each: T = 1024 3.64 ms against 4.17 (kernel-busy
+#   3.46 against 3.99), T = 2048 4.33 against 6.73; T = 512 3.15 against 2.97, where Triton stays
+#   (moe-mid-mx-h100-1024-47a239b.json, moe-mid-mx-h100-512-2048-47a239b.json). So from 1,024 tokens.
+# Equal to the Triton kernels and the reference on the GPU (mosaic-check-h100-f3d47e2.json at T = 600; the mid-size
+# runs above against the reference at 512, 1024 and 2048: relative error 5.31e-3, the Triton entry's).
+MOSAIC_TABLE: dict[str, tuple[int, MoeTiles]] = {
+    "mxfp8": (1024, MoeTiles("prefill", bm=128, gu=_K(bn=128, bk=128, warps=4, stages=2),
+                             dn=_K(bn=128, bk=128, warps=4, stages=3), group=1, backend="mosaic", mx_widen="swap")),
 }
 
 # MXFP4 widens by the same inline-PTX scheme (layout.widening_ptx; a few more bit ops per pair) from the same
@@ -226,12 +230,16 @@ def regime(num_tokens: int) -> str:
 
 def pick_tiles(num_tokens: int, fmt: str, *, interpret: bool = False, mosaic: bool = False) -> MoeTiles:
     """Tiles for `num_tokens` rows of `fmt` weights ("bf16" | "mxfp8" | "mxfp4"); `mosaic`: MOSAIC_TABLE's entry
-    where it has one (the caller says the device runs them)."""
+    where it has one for this many tokens (the caller says the device runs them)."""
     if interpret:
         tiles = INTERPRET_TILES
     else:
         reg = regime(num_tokens)
-        tiles = (mosaic and MOSAIC_TABLE.get((reg, fmt))) or GPU_TABLE.get((reg, fmt), GPU_TABLE[(reg, "dense")])
+        entry = MOSAIC_TABLE.get(fmt) if mosaic else None
+        if entry is not None and num_tokens >= entry[0]:
+            tiles = entry[1].replace(regime=reg)
+        else:
+            tiles = GPU_TABLE.get((reg, fmt), GPU_TABLE[(reg, "dense")])
         if num_tokens == 1 and fmt in SINGLE_TOKEN_DOWN_SPLIT:
             tiles = tiles.replace(dn=dataclasses.replace(tiles.dn, split=SINGLE_TOKEN_DOWN_SPLIT[fmt]))
     if fmt != "dense" and tiles.gu.bk % 128:

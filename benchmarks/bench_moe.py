@@ -228,8 +228,9 @@ def main() -> None:
     ap.add_argument("--sweep-first", type=int, default=1000, help="sweep only the first N candidates of each case")
     ap.add_argument("--sweep-table", action="store_true",
                     help="time each sweep case's table tiles first, as a sweep row (no reference check past "
-                         "--sweep-check-max-tokens): the table beside its candidates where the main table's "
-                         "8192-token reference does not fit, as on an 80 GB card")
+                         "--sweep-check-max-tokens), and the Triton table's beside a Mosaic GPU entry: the table "
+                         "beside its candidates where the main table's 8192-token reference does not fit, as on "
+                         "an 80 GB card")
     ap.add_argument("--gather-ab-tokens", type=int, nargs="*", default=[],
                     help="A/B the in-kernel x gather against an XLA row copy first at these T")
     ap.add_argument("--in-graph-max-tokens", type=int, default=128,
@@ -475,6 +476,8 @@ def main() -> None:
         plan = []
         for T, name in order:
             table = [kernel.kernel_tiles(T, experts_by_fmt[name])] if args.sweep_table else []
+            if table and table[0].backend != "triton":  # and the Triton table's entry that the Mosaic one replaced
+                table.append(kernel.kernel_tiles(T, experts_by_fmt[name], tiles=pick_tiles(T, FORMATS[name])))
             plan += [(T, name, c) for c in table + candidates(T, FORMATS[name])[:args.sweep_first]]
         for T, name, c in plan:
             if time.perf_counter() - T0 > args.deadline:

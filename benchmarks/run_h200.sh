@@ -29,8 +29,8 @@
 #             the closing run's attention rows with the in-graph copies sharing token_row / pos, as a model's
 #             layers do when it does (bench_attention.py --shared-step-inputs; compare with `closing`'s rows)
 #   moemid    MXFP8 experts at mid sizes (T = 512 / 1024 / 2048, the 1k prefill's and mixed steps' MoE): the
-#             Triton table's tiles against the Mosaic GPU "swap" kernels, which the table takes only above 2048
-#             tokens; checked against the reference (whether MOSAIC_TABLE should take the mid regime too)
+#             Triton table's tiles against the Mosaic GPU "swap" kernels, checked against the reference (where
+#             MOSAIC_TABLE's smallest token count for MXFP8 belongs: 1024 on the H100 at rev 47a239b)
 #   invnext   moeinv, then the engine's invariance under --batch-invariant against the default-mode record of
 #             BASELINE (default: rev 30e16d2's), in one call (~7 min)
 #   invcost   the bare decode step and a 1k prefill with and without --batch-invariant, kernel by kernel (issue 27)

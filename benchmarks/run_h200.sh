@@ -25,9 +25,10 @@
 #             (issue 28's "MXFP8 MoE at T = 8192 within 1.2x of the bf16 kernel"); the table's tiles are timed as
 #             sweep rows (--sweep-table), so it fits an 80 GB H100, where the main table's 8192-token reference
 #             check (48 GB beside the weights) does not
-#   hoist     whether the GPU's XLA moves the query-block metadata out of a layer scan (check_hoisting.py), then
-#             the closing run's attention rows with the in-graph copies sharing token_row / pos, as a model's
-#             layers do when it does (bench_attention.py --shared-step-inputs; compare with `closing`'s rows)
+#   hoist     whether the GPU's XLA moves the query-block metadata out of a layer scan (check_hoisting.py; on the
+#             H100 at 47a239b it does not), then the closing run's attention rows with the in-graph copies sharing
+#             token_row / pos: the ops with the metadata computed once per step (bench_attention.py
+#             --shared-step-inputs; compare with `closing`'s rows)
 #   moemid    MXFP8 experts at mid sizes (T = 512 / 1024 / 2048, the 1k prefill's and mixed steps' MoE): the
 #             Triton table's tiles against the Mosaic GPU "swap" kernels, checked against the reference (where
 #             MOSAIC_TABLE's smallest token count for MXFP8 belongs: 1024 on the H100 at rev 47a239b)

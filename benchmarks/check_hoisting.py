@@ -1,8 +1,9 @@
 """Whether this backend's XLA moves the query-block metadata out of a layer scan.
 
 The attention ops compute `ragged.query_blocks` from the step's `token_row` and `pos` alone, the same for every
-layer. If XLA's while-loop invariant code motion hoists it, a model pays it once per step per scan, and an op
-benchmark should share those inputs across its in-graph copies (`bench_attention.py --shared-step-inputs`).
+layer. If XLA's while-loop invariant code motion hoists it, a model pays it once per step per scan; if not, once
+per layer, as `bench_attention.py`'s in-graph copies do (on the CPU it does; on the H100 at rev 47a239b it does
+not: docs/benchmarks.md).
 This compiles a scan whose body calls `query_blocks` at the index and block-sparse prefill block sizes and
 reports which of the metadata's ops (scatter, reduce-window, sort) stay inside the compiled loop body:
 

@@ -218,8 +218,8 @@ def make_case(key: jax.Array, s: Shapes, kind: str, batch: int, context: int, n_
 
     `shared_step_inputs`: every set holds the same `token_row` / `pos` arrays (their values are equal anyway), so
     that the in-graph timing's copies compute what depends on them alone (the query-block metadata) once, as a
-    model's layers would with the metadata computed once per step (on the GPU, XLA does not hoist it out of a
-    layer scan: docs/benchmarks.md); the case name ends in "-shared"."""
+    model step does (`ragged.step_query_blocks`: on the GPU, XLA does not hoist it out of a layer scan, so the
+    forward computes it before its scans); the case name ends in "-shared"."""
     P = -(-context // s.ps)
     R = batch if kind == "decode" else 1
     T = batch if kind == "decode" else context

@@ -1,9 +1,10 @@
 """Whether this backend's XLA moves the query-block metadata out of a layer scan.
 
 The attention ops compute `ragged.query_blocks` from the step's `token_row` and `pos` alone, the same for every
-layer. If XLA's while-loop invariant code motion hoists it, a model pays it once per step per scan; if not, once
-per layer, as `bench_attention.py`'s in-graph copies do (on the CPU it does; on the H100 at rev 47a239b it does
-not: docs/benchmarks.md).
+layer. If XLA's while-loop invariant code motion hoists it, a scan pays it once per step; if not, once per
+layer (on the CPU XLA hoists it; on the H100 at revs 47a239b and 7108030 it does not: docs/benchmarks.md). That
+is why the model computes it once per step itself (`ragged.step_query_blocks`); this script asks the compiler
+the question again, without that.
 This compiles a scan whose body calls `query_blocks` at the index and block-sparse prefill block sizes and
 reports which of the metadata's ops (scatter, reduce-window, sort) stay inside the compiled loop body:
 

@@ -55,6 +55,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--seconds", type=float, default=20.0)
     ap.add_argument("--summarise", default=None, help="a py-spy raw file to summarise instead")
+    ap.add_argument("--moe-format", default="bf16", choices=("bf16", "mxfp8", "mxfp4"),
+                    help="the experts' format on the device (`m3jax serve --moe-weight-format`)")
     ap.add_argument("--no-mosaic", action="store_true",
                     help="the Triton kernels where the Hopper dispatch would pick the Mosaic GPU ones (to compare)")
     ap.add_argument("--out", required=True)
@@ -78,8 +80,8 @@ def main() -> None:
         attention_dispatch.wgmma_device = moe_kernel.wgmma_device = lambda: False
 
     # The executable cache's key does not see the kernel patch above: --no-mosaic compiles its own.
-    settings = Settings(model=args.model, max_num_seqs=128, max_model_len=2176, max_num_batched_tokens=8192,
-                        progress=False, enable_compilation_cache=not args.no_mosaic)
+    settings = Settings(model=args.model, moe_weight_format=args.moe_format, max_num_seqs=128, max_model_len=2176,
+                        max_num_batched_tokens=8192, progress=False, enable_compilation_cache=not args.no_mosaic)
     core = EngineCore(settings)  # never started: this thread steps it
     runner, cfg = core.runner, core.model.cfg
     with recorded_launches(runner) as launched:
@@ -119,7 +121,7 @@ def main() -> None:
     while time.perf_counter() < end:  # the profile's samples: mostly the prefill's dispatch
         for name in ("prefill", "prefill", "prefill", "decode"):
             times[name].append(dispatch(name))
-    rec = {"op": "dispatch_time", "model": args.model, "context": args.context,
+    rec = {"op": "dispatch_time", "model": args.model, "moe_format": args.moe_format, "context": args.context,
            **{f"{n}_tokens": calls[n][2] for n in calls},
            **{f"{n}_dispatch_s": statistics.median(v) for n, v in times.items()},
            **{f"{n}_calls": len(v) for n, v in times.items()},

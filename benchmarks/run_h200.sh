@@ -15,7 +15,9 @@
 #             process of its own under CHECK_TIMEOUT seconds (a hang loses one case): check_mosaic.py
 #   attnpre   the 8k prefill chunk's attention ops with their prefill variants, the Mosaic GPU dense attention
 #             and index scoring first (checked against the Triton kernels' outputs; issue 28)
-#   closing   issue 28's closing run: the 8k prefill attention ops (random and 256-token-drift selections) and
+#   closing   issue 28's closing run: the 8k prefill attention ops (random and 256-token-drift selections; the
+#             in-graph copies share token_row / pos, so the query-block metadata is computed once, as a model step
+#             computes it since ragged.step_query_blocks) and
 #             the MoE at T = 8192 (bf16, MXFP8; main table, reference-checked), all timed in graph, composed by
 #             prefill_closing.py into prefill-<gpu>-closing.json (the MoE's 8192-token check needs an H200), then
 #             an 8k prompt's bare prefill on m3-slice (the model's part of its time to first token)
@@ -26,9 +28,7 @@
 #             sweep rows (--sweep-table), so it fits an 80 GB H100, where the main table's 8192-token reference
 #             check (48 GB beside the weights) does not
 #   hoist     whether the GPU's XLA moves the query-block metadata out of a layer scan (check_hoisting.py; on the
-#             H100 at 47a239b it does not), then the closing run's attention rows with the in-graph copies sharing
-#             token_row / pos: the ops with the metadata computed once per step (bench_attention.py
-#             --shared-step-inputs; compare with `closing`'s rows)
+#             H100 it does not, which is why a forward computes it once per step: ragged.step_query_blocks)
 #   moemid    MXFP8 experts at mid sizes (T = 512 / 1024 / 2048, the 1k prefill's and mixed steps' MoE): the
 #             Triton table's tiles against the Mosaic GPU "swap" kernels, checked against the reference (where
 #             MOSAIC_TABLE's smallest token count for MXFP8 belongs: 1024 on the H100 at rev 47a239b)
@@ -112,7 +112,7 @@ for what in "$@"; do
       ;;
     closing)
       gpu="${GPU_NAME:-h200}"
-      closing_attention "$OUT/attention-closing-$gpu.json"
+      closing_attention "$OUT/attention-closing-$gpu.json" --shared-step-inputs
       timeout 300 python3 benchmarks/bench_moe.py --formats bf16 mxfp8 --tokens 8192 --sweep 0 \
         --in-graph-max-tokens 8192 --ref-time-max-tokens 0 --kernels-only-tokens 0 --out "$OUT/moe-closing-$gpu.json"
       python3 benchmarks/prefill_closing.py --attention "$OUT/attention-closing-$gpu.json" \
@@ -124,7 +124,6 @@ for what in "$@"; do
     hoist)
       gpu="${GPU_NAME:-h200}"
       python3 benchmarks/check_hoisting.py --out "$OUT/hoisting-$gpu.json"
-      closing_attention "$OUT/attention-closing-shared-$gpu.json" --shared-step-inputs
       ;;
     moemid)
       timeout "${MOEMID_TIMEOUT:-330}" python3 benchmarks/bench_moe.py --formats mxfp8 --tokens 512 1024 2048 \

@@ -275,17 +275,20 @@ def forward(params: Params, cfg: M3Config, kv: KVPages, batch: Batch, kernels: K
     new_kv = KVPages([], [], [])
     selections: dict[int, jax.Array] = {}
     blocks = None
-    for r, run in enumerate(cfg.layer_runs):
-        # The run's pool as one flat page axis: a reshape of contiguous memory, free in and out of the scan.
-        flat = LayerPages(*(None if a is None else a.reshape(-1, *a.shape[2:])
-                            for a in (kv.k[r], kv.v[r], kv.index_k[r])))
-        x, flat, blocks, sel, aux = run_layers(params["runs"][r], cfg, run, x, batch, rope, flat, blocks, kernels,
-                                               unroll, capture, aux)
-        new_kv.k.append(flat.k.reshape(kv.k[r].shape))
-        new_kv.v.append(flat.v.reshape(kv.v[r].shape))
-        new_kv.index_k.append(None if flat.index_k is None else flat.index_k.reshape(kv.index_k[r].shape))
-        if sel is not None:
-            selections.update({i: sel[j] for j, i in enumerate(run.layers)})
+    # The attention ops' query blocks depend on token_row and positions alone: computed once here, not per layer.
+    with ops.step_query_blocks(batch.token_row, batch.positions, batch.page_table.shape[0],
+                               impl=kernels.attention, topology=kernels.topology):
+        for r, run in enumerate(cfg.layer_runs):
+            # The run's pool as one flat page axis: a reshape of contiguous memory, free in and out of the scan.
+            flat = LayerPages(*(None if a is None else a.reshape(-1, *a.shape[2:])
+                                for a in (kv.k[r], kv.v[r], kv.index_k[r])))
+            x, flat, blocks, sel, aux = run_layers(params["runs"][r], cfg, run, x, batch, rope, flat, blocks,
+                                                   kernels, unroll, capture, aux)
+            new_kv.k.append(flat.k.reshape(kv.k[r].shape))
+            new_kv.v.append(flat.v.reshape(kv.v[r].shape))
+            new_kv.index_k.append(None if flat.index_k is None else flat.index_k.reshape(kv.index_k[r].shape))
+            if sel is not None:
+                selections.update({i: sel[j] for j, i in enumerate(run.layers)})
 
     hidden = None
     if all_hidden:  # the norm is per token: the logit rows are rows of every token's normed state

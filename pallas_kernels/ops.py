@@ -8,17 +8,20 @@ on one device (the default) the dispatch is called directly."""
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 
 from pallas_kernels import sharded
 from pallas_kernels.attention import dispatch as _attn
+from pallas_kernels.attention import ragged as _ragged
 from pallas_kernels.linear import dispatch as _linear
 from pallas_kernels.moe import dispatch as _moe
 from pallas_kernels.topology import SINGLE, Topology
 
 __all__ = ["paged_dense_attention", "paged_select_blocks", "paged_block_sparse_attention", "write_kv_pages", "moe",
-           "dense_mlp", "project", "rms_norm_mean_square", "PROJECTION_AXES"]
+           "dense_mlp", "project", "rms_norm_mean_square", "step_query_blocks", "PROJECTION_AXES"]
 
 # Logical axes of the projection weights the model runs through `project` (as declared in m3jax/params.py;
 # tests/test_sharding.py holds the two to each other): the sharded kernel path places them by the rules table.
@@ -86,6 +89,16 @@ def dense_mlp(h_TD: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.A
                                  layer=layer, invariant=invariant)
     return _moe.kernel_dense_mlp(h_TD, w_gate, w_up, w_down, alpha=alpha, limit=limit, impl=impl, layer=layer,
                                  invariant=invariant)
+
+
+def step_query_blocks(token_row_T: jax.Array, pos_T: jax.Array, num_rows: int, *, impl: str,
+                      topology: Topology = SINGLE) -> contextlib.AbstractContextManager[None]:
+    """Wrap a step's layers in it: the attention ops' query-block metadata is computed once for the step instead
+    of in every layer (`attention/ragged.py` says why). The references need none; the sharded ops compute theirs
+    inside their `shard_map`, per layer, as before."""
+    if impl == "reference" or topology.sharded:
+        return contextlib.nullcontext()
+    return _ragged.step_query_blocks(token_row_T, pos_T, num_rows)
 
 
 def paged_dense_attention(q_THD: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table_RN: jax.Array,

@@ -166,3 +166,42 @@ def test_scanned_layers_equal_unrolled_ones_and_capture_layer_inputs(model):
                                atol=1e-6)
     np.testing.assert_array_equal(np.asarray(scanned.aux_hidden[0, :70]), np.asarray(model.params["embed"])[toks])
     np.testing.assert_allclose(np.asarray(scanned.logits), model.logits(toks[None])[0], rtol=1e-5, atol=1e-5)
+
+
+def test_query_blocks_are_computed_once_per_step(model, monkeypatch):
+    """The attention ops' query-block metadata (a function of token_row and positions alone) is computed once per
+    step, before the layer scans, never inside a layer: on the GPU XLA does not hoist it out of a scan, and every
+    attention layer would pay ~20 small kernels for it (benchmarks/check_hoisting.py)."""
+    import contextlib
+
+    import jax
+
+    from m3jax.model import forward
+    from pallas_kernels import ops
+    from pallas_kernels.attention import ragged
+    from pallas_kernels.choice import KernelChoice
+
+    kernels = KernelChoice("interpret", "reference").resolve()
+    toks = _tokens(8, (1, 40))[0]  # a prefill chunk beside a decode row: query blocks of several tokens
+    batch, _ = build_batch([RowPlan(toks.tolist(), 0, range(1, 4)), RowPlan([5], 60, range(4, 9))], PS, 48, 2, 5)
+    computed: list[int] = []
+    compute = ragged._compute
+
+    def counting(*args, **kw):
+        computed.append(kw["bt"])
+        return compute(*args, **kw)
+
+    monkeypatch.setattr(ragged, "_compute", counting)
+
+    def trace() -> list[int]:
+        computed.clear()
+        # A new function each time: jax caches a function's trace.
+        jax.make_jaxpr(lambda p, kv, b: forward(p, CFG, kv, b, kernels))(model.params, model.new_pages(9), batch)
+        return list(computed)
+
+    # The step's copies, one per block size, and nothing from the ops.
+    assert sorted(trace()) == sorted(ragged.STEP_BLOCK_SIZES)
+    # Without them the ops compute their own, in every attention layer (once per scan body as traced).
+    monkeypatch.setattr(ops, "step_query_blocks", lambda *a, **k: contextlib.nullcontext())
+    per_layer = trace()
+    assert len(per_layer) >= len(CFG.layer_runs), per_layer

@@ -10,11 +10,21 @@ here from `token_row`. Contract (what `m3jax.batch.build_batch` produces): the t
 contiguous in the flat batch; padding tokens (row 0, position 0) may follow as one more run. The program
 count is sized for at most `R + 1` runs. Each token still uses its OWN position for its causal cutoff, so
 padding tokens get exactly what the reference gives them.
+
+The query blocks depend on the step's `token_row` and `pos` alone, the same in every layer, and the GPU's XLA
+does not move them out of a layer scan (`benchmarks/check_hoisting.py`): computed inside the ops, every
+attention layer would pay ~20 small kernels for them. A forward therefore computes them once per step, before
+its scans, under `step_query_blocks`; `query_blocks` hands an op the step's copy when it asks with the step's
+own `token_row` and `pos` arrays (the same objects: a scan body closes over them, so the copy is a loop
+constant), and computes them itself otherwise (an op called on its own, or inside a `shard_map`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -67,8 +77,45 @@ def max_query_blocks(num_tokens: int, num_rows: int, bt: int) -> int:
     return max(1, min(num_tokens, num_tokens // bt + num_rows + 1))
 
 
+@dataclasses.dataclass(frozen=True)
+class _StepBlocks:
+    token_row_T: jax.Array
+    pos_T: jax.Array
+    num_rows: int
+    by_bt: dict[int, QueryBlocks]
+
+
+_STEP: contextvars.ContextVar[_StepBlocks | None] = contextvars.ContextVar("step_query_blocks", default=None)
+
+# Every block size a kernel may ask for (powers of two: the tile tables' `bt`s and the Mosaic kernels' tokens
+# per block). The step computes them all; XLA drops the ones no op reads.
+STEP_BLOCK_SIZES = (2, 4, 8, 16, 32, 64, 128, 256)
+
+
+@contextlib.contextmanager
+def step_query_blocks(token_row_T: jax.Array, pos_T: jax.Array, num_rows: int) -> Iterator[None]:
+    """Within the block, `query_blocks(token_row_T, pos_T, ...)` (these very arrays) returns the query blocks
+    computed here, once, at the caller's level: a forward wraps its layer scans in it (see the module's doc)."""
+    by_bt = {bt: _compute(token_row_T, pos_T, bt=bt, num_rows=num_rows) for bt in STEP_BLOCK_SIZES}
+    token = _STEP.set(_StepBlocks(token_row_T, pos_T, num_rows, by_bt))
+    try:
+        yield
+    finally:
+        _STEP.reset(token)
+
+
 def query_blocks(token_row_T: jax.Array, pos_T: jax.Array, *, bt: int, num_rows: int) -> QueryBlocks:
-    """Split the flat batch into query blocks of <= bt tokens that never straddle two requests."""
+    """Split the flat batch into query blocks of <= bt tokens that never straddle two requests (the step's
+    copy when `step_query_blocks` holds it for these arrays)."""
+    step = _STEP.get()
+    if (step is not None and token_row_T is step.token_row_T and pos_T is step.pos_T
+            and num_rows == step.num_rows and bt in step.by_bt):
+        return step.by_bt[bt]
+    return _compute(token_row_T, pos_T, bt=bt, num_rows=num_rows)
+
+
+def _compute(token_row_T: jax.Array, pos_T: jax.Array, *, bt: int, num_rows: int) -> QueryBlocks:
+    token_row_T, pos_T = jnp.asarray(token_row_T), jnp.asarray(pos_T)  # a step's host arrays, closed over
     T = token_row_T.shape[0]
     Q = max_query_blocks(T, num_rows, bt)
     t = jnp.arange(T, dtype=jnp.int32)

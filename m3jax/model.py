@@ -276,8 +276,7 @@ def forward(params: Params, cfg: M3Config, kv: KVPages, batch: Batch, kernels: K
     selections: dict[int, jax.Array] = {}
     blocks = None
     # The attention ops' query blocks depend on token_row and positions alone: computed once here, not per layer.
-    with ops.step_query_blocks(batch.token_row, batch.positions, batch.page_table.shape[0],
-                               impl=kernels.attention, topology=kernels.topology):
+    with ops.step_query_blocks(batch.token_row, batch.positions, batch.page_table.shape[0], impl=kernels.attention):
         for r, run in enumerate(cfg.layer_runs):
             # The run's pool as one flat page axis: a reshape of contiguous memory, free in and out of the scan.
             flat = LayerPages(*(None if a is None else a.reshape(-1, *a.shape[2:])

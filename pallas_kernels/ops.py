@@ -91,12 +91,12 @@ def dense_mlp(h_TD: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.A
                                  invariant=invariant)
 
 
-def step_query_blocks(token_row_T: jax.Array, pos_T: jax.Array, num_rows: int, *, impl: str,
-                      topology: Topology = SINGLE) -> contextlib.AbstractContextManager[None]:
+def step_query_blocks(token_row_T: jax.Array, pos_T: jax.Array, num_rows: int, *,
+                      impl: str) -> contextlib.AbstractContextManager[None]:
     """Wrap a step's layers in it: the attention ops' query-block metadata is computed once for the step instead
-    of in every layer (`attention/ragged.py` says why). The references need none; the sharded ops compute theirs
-    inside their `shard_map`, per layer, as before."""
-    if impl == "reference" or topology.sharded:
+    of in every layer (`attention/ragged.py` says why; the sharded ops hand it into their `shard_map`s). The
+    references need none."""
+    if impl == "reference":
         return contextlib.nullcontext()
     return _ragged.step_query_blocks(token_row_T, pos_T, num_rows)
 

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from pallas_kernels.attention import dispatch as attn
+from pallas_kernels.attention import ragged
 from pallas_kernels.linear import dispatch as lin
 from pallas_kernels.moe import dispatch as moe_dispatch
 from pallas_kernels.moe import layout
@@ -84,16 +85,24 @@ def _attention_specs(topology: Topology, q: jax.Array, pool: jax.Array) -> tuple
     return topology.spec_for(q.shape, _Q), topology.spec_for(pool.shape, _POOL), True
 
 
+def _copies(token_row_T: jax.Array, pos_T: jax.Array, page_table_RN: jax.Array) -> dict[int, ragged.QueryBlocks]:
+    """The step's query blocks (`ragged.step_query_blocks`), handed into an attention op's shard_map as replicated
+    operands: inside, the body's own token_row / pos take them (`ragged.given_query_blocks`) instead of computing
+    them in every layer. Sizes the op does not read are dropped by XLA."""
+    return ragged.step_copies(token_row_T, pos_T, page_table_RN.shape[0])
+
+
 def paged_dense_attention(q_THD: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table_RN: jax.Array,
                           token_row_T: jax.Array, pos_T: jax.Array, scale: float, *, impl: str,
                           topology: Topology, invariant: bool = False) -> jax.Array:
     q_spec, pool_spec, _ = _attention_specs(topology, q_THD, k_pages)
 
-    def local(q, kp, vp, pt, row, pos):
-        return attn.paged_dense_attention(q, kp, vp, pt, row, pos, scale, impl=impl, invariant=invariant)
+    def local(q, kp, vp, pt, row, pos, copies):
+        with ragged.given_query_blocks(row, pos, pt.shape[0], copies):
+            return attn.paged_dense_attention(q, kp, vp, pt, row, pos, scale, impl=impl, invariant=invariant)
 
-    return _smap(topology, local, (q_spec, pool_spec, pool_spec, P(), P(), P()), q_spec)(
-        q_THD, k_pages, v_pages, page_table_RN, token_row_T, pos_T)
+    return _smap(topology, local, (q_spec, pool_spec, pool_spec, P(), P(), P(), P()), q_spec)(
+        q_THD, k_pages, v_pages, page_table_RN, token_row_T, pos_T, _copies(token_row_T, pos_T, page_table_RN))
 
 
 def paged_block_sparse_attention(q_THD: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
@@ -104,14 +113,16 @@ def paged_block_sparse_attention(q_THD: jax.Array, k_pages: jax.Array, v_pages: 
     blocks_spec = topology.spec_for(blocks_TGN.shape, _BLOCKS) if split else P()
     local_groups = k_pages.shape[2] // topology.size if split else k_pages.shape[2]
 
-    def local(q, kp, vp, pt, row, pos, blocks):
+    def local(q, kp, vp, pt, row, pos, blocks, copies):
         if blocks.shape[1] != local_groups:  # replicate_kv: every device holds all groups' selections
             blocks = _pick_group(blocks, topology)
-        return attn.paged_block_sparse_attention(q, kp, vp, pt, row, pos, blocks, scale=scale, impl=impl,
-                                                 invariant=invariant, union=union)
+        with ragged.given_query_blocks(row, pos, pt.shape[0], copies):
+            return attn.paged_block_sparse_attention(q, kp, vp, pt, row, pos, blocks, scale=scale, impl=impl,
+                                                     invariant=invariant, union=union)
 
-    return _smap(topology, local, (q_spec, pool_spec, pool_spec, P(), P(), P(), blocks_spec), q_spec)(
-        q_THD, k_pages, v_pages, page_table_RN, token_row_T, pos_T, blocks_TGN)
+    return _smap(topology, local, (q_spec, pool_spec, pool_spec, P(), P(), P(), blocks_spec, P()), q_spec)(
+        q_THD, k_pages, v_pages, page_table_RN, token_row_T, pos_T, blocks_TGN,
+        _copies(token_row_T, pos_T, page_table_RN))
 
 
 def paged_select_blocks(iq_TGD: jax.Array, ik_pages: jax.Array, page_table_RN: jax.Array, token_row_T: jax.Array,
@@ -120,31 +131,27 @@ def paged_select_blocks(iq_TGD: jax.Array, ik_pages: jax.Array, page_table_RN: j
     G = iq_TGD.shape[1]
     kw = {"topk": topk, "local_blocks": local_blocks, "init_blocks": init_blocks, "impl": impl,
           "invariant": invariant}
-    if topology.splits("index_heads", G):  # split: a device scores its own groups
-        spec = topology.spec_for(iq_TGD.shape, _INDEX_Q)
+    args = (iq_TGD, ik_pages, page_table_RN, token_row_T, pos_T, _copies(token_row_T, pos_T, page_table_RN))
 
-        def local(iq, ik, pt, row, pos):
+    def select(iq, ik, pt, row, pos, copies):
+        with ragged.given_query_blocks(row, pos, pt.shape[0], copies):
             return attn.paged_select_blocks(iq, ik, pt, row, pos, **kw)
 
-        return _smap(topology, local, (spec, P(), P(), P(), P()), spec)(iq_TGD, ik_pages, page_table_RN,
-                                                                         token_row_T, pos_T)
+    if topology.splits("index_heads", G):  # split: a device scores its own groups
+        spec = topology.spec_for(iq_TGD.shape, _INDEX_Q)
+        return _smap(topology, select, (spec, P(), P(), P(), P(), P()), spec)(*args)
     if topology.mesh_axis("index_heads") == topology.axis and topology.size % G == 0:
         # replicate_kv: a device scores its own group only; the selections are all-gathered (tiny: int32 ids), so
         # every device holds [T, K, topk] as the model carries it from layer to layer.
         r = topology.size // G
 
-        def local_group(iq, ik, pt, row, pos):
-            mine = attn.paged_select_blocks(_pick_group(iq, topology), ik, pt, row, pos, **kw)  # [T, 1, topk]
+        def local_group(iq, ik, pt, row, pos, copies):
+            mine = select(_pick_group(iq, topology), ik, pt, row, pos, copies)  # [T, 1, topk]
             every = jax.lax.all_gather(mine, topology.axis, axis=1, tiled=True)  # [T, size, topk]
             return every[:, ::r]
 
-        return _smap(topology, local_group, (P(), P(), P(), P(), P()), P())(iq_TGD, ik_pages, page_table_RN,
-                                                                            token_row_T, pos_T)
-
-    def whole(iq, ik, pt, row, pos):
-        return attn.paged_select_blocks(iq, ik, pt, row, pos, **kw)
-
-    return _smap(topology, whole, (P(),) * 5, P())(iq_TGD, ik_pages, page_table_RN, token_row_T, pos_T)
+        return _smap(topology, local_group, (P(),) * 6, P())(*args)
+    return _smap(topology, select, (P(),) * 6, P())(*args)
 
 
 def write_kv_pages(pages: jax.Array, new_T: jax.Array, slot_T: jax.Array, *, impl: str,

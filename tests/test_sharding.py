@@ -170,6 +170,28 @@ def test_sharded_union_prefill_kernel(setup):
     assert not any(n.startswith("block_major") for n in inside), sorted(set(inside))
 
 
+def test_sharded_ops_take_the_steps_query_blocks(setup, monkeypatch):
+    """Under TP2 and TP4 the attention ops' shard_map bodies take the step's query blocks, handed in as
+    replicated operands, and compute none of their own in any layer (`ragged.step_query_blocks`)."""
+    from pallas_kernels.attention import ragged
+
+    host, _ = setup
+    computed: list[int] = []
+    compute = ragged._compute
+
+    def counting(*args, **kw):
+        computed.append(kw["bt"])
+        return compute(*args, **kw)
+
+    monkeypatch.setattr(ragged, "_compute", counting)
+    for tp in (2, 4):
+        model = M3Model.create(CFG, host, tensor_parallel_size=tp, kernels=INTERPRET)
+        for tokens in (TOKENS, TOKENS[:, :1]):  # prefill- and decode-shaped steps
+            computed.clear()
+            kernel_sites(model, tokens)
+            assert sorted(computed) == sorted(ragged.STEP_BLOCK_SIZES), (tp, tokens.shape, computed)
+
+
 @pytest.mark.parametrize("tp,ep", [(2, False), (4, False), (4, True)])
 def test_sharded_kernels_equal_tp1(setup, tp1_kernels, tp, ep):
     """The attention family and the MoE through their kernels, each device on its shard: TP2 / TP4 split the

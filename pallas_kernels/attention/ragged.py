@@ -16,7 +16,8 @@ does not move them out of a layer scan (`benchmarks/check_hoisting.py`): compute
 attention layer would pay ~20 small kernels for them. A forward therefore computes them once per step, before
 its scans, under `step_query_blocks`; `query_blocks` hands an op the step's copy when it asks with the step's
 own `token_row` and `pos` arrays (the same objects: a scan body closes over them, so the copy is a loop
-constant), and computes them itself otherwise (an op called on its own, or inside a `shard_map`).
+constant), and computes them itself otherwise (an op called on its own). A `shard_map` body has arrays of its
+own: the sharded ops hand the step's copies in as replicated operands (`step_copies`, `given_query_blocks`).
 """
 
 from __future__ import annotations
@@ -87,16 +88,27 @@ class _StepBlocks:
 
 _STEP: contextvars.ContextVar[_StepBlocks | None] = contextvars.ContextVar("step_query_blocks", default=None)
 
-# Every block size a kernel may ask for (powers of two: the tile tables' `bt`s and the Mosaic kernels' tokens
-# per block). The step computes them all; XLA drops the ones no op reads.
-STEP_BLOCK_SIZES = (2, 4, 8, 16, 32, 64, 128, 256)
+# Every block size a kernel may ask for (powers of two: the decode kernels' one token, the tile tables' `bt`s
+# and the Mosaic kernels' tokens per block). The step computes them all; XLA drops the ones no op reads.
+STEP_BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
-@contextlib.contextmanager
-def step_query_blocks(token_row_T: jax.Array, pos_T: jax.Array, num_rows: int) -> Iterator[None]:
+def step_query_blocks(token_row_T: jax.Array, pos_T: jax.Array,
+                      num_rows: int) -> contextlib.AbstractContextManager[None]:
     """Within the block, `query_blocks(token_row_T, pos_T, ...)` (these very arrays) returns the query blocks
     computed here, once, at the caller's level: a forward wraps its layer scans in it (see the module's doc)."""
     by_bt = {bt: _compute(token_row_T, pos_T, bt=bt, num_rows=num_rows) for bt in STEP_BLOCK_SIZES}
+    return given_query_blocks(token_row_T, pos_T, num_rows, by_bt)
+
+
+@contextlib.contextmanager
+def given_query_blocks(token_row_T: jax.Array, pos_T: jax.Array, num_rows: int,
+                       by_bt: dict[int, QueryBlocks] | None) -> Iterator[None]:
+    """`step_query_blocks` with the copies already made (`by_bt`; None: none): what a `shard_map` body uses for
+    its own `token_row_T` / `pos_T`, with the step's copies handed in as operands (`step_copies`)."""
+    if not by_bt:
+        yield
+        return
     token = _STEP.set(_StepBlocks(token_row_T, pos_T, num_rows, by_bt))
     try:
         yield
@@ -104,13 +116,20 @@ def step_query_blocks(token_row_T: jax.Array, pos_T: jax.Array, num_rows: int) -
         _STEP.reset(token)
 
 
+def step_copies(token_row_T: jax.Array, pos_T: jax.Array, num_rows: int) -> dict[int, QueryBlocks]:
+    """The step's query blocks when `step_query_blocks` holds them for these arrays, else none ({})."""
+    step = _STEP.get()
+    if step is not None and token_row_T is step.token_row_T and pos_T is step.pos_T and num_rows == step.num_rows:
+        return step.by_bt
+    return {}
+
+
 def query_blocks(token_row_T: jax.Array, pos_T: jax.Array, *, bt: int, num_rows: int) -> QueryBlocks:
     """Split the flat batch into query blocks of <= bt tokens that never straddle two requests (the step's
     copy when `step_query_blocks` holds it for these arrays)."""
-    step = _STEP.get()
-    if (step is not None and token_row_T is step.token_row_T and pos_T is step.pos_T
-            and num_rows == step.num_rows and bt in step.by_bt):
-        return step.by_bt[bt]
+    copies = step_copies(token_row_T, pos_T, num_rows)
+    if bt in copies:
+        return copies[bt]
     return _compute(token_row_T, pos_T, bt=bt, num_rows=num_rows)
 
 

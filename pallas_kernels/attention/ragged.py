@@ -103,8 +103,8 @@ def step_query_blocks(token_row_T: jax.Array, pos_T: jax.Array,
 
 @contextlib.contextmanager
 def given_query_blocks(token_row_T: jax.Array, pos_T: jax.Array, num_rows: int,
-                       by_bt: dict[int, QueryBlocks] | None) -> Iterator[None]:
-    """`step_query_blocks` with the copies already made (`by_bt`; None: none): what a `shard_map` body uses for
+                       by_bt: dict[int, QueryBlocks]) -> Iterator[None]:
+    """`step_query_blocks` with the copies already made (`by_bt`; {}: none): what a `shard_map` body uses for
     its own `token_row_T` / `pos_T`, with the step's copies handed in as operands (`step_copies`)."""
     if not by_bt:
         yield

@@ -168,7 +168,7 @@ def test_scanned_layers_equal_unrolled_ones_and_capture_layer_inputs(model):
     np.testing.assert_allclose(np.asarray(scanned.logits), model.logits(toks[None])[0], rtol=1e-5, atol=1e-5)
 
 
-def test_query_blocks_are_computed_once_per_step(model, monkeypatch):
+def test_query_blocks_are_computed_once_per_step(model, monkeypatch, query_blocks_computed):
     """The attention ops' query-block metadata (a function of token_row and positions alone) is computed once per
     step, before the layer scans, never inside a layer: on the GPU XLA does not hoist it out of a scan, and every
     attention layer would pay ~20 small kernels for it (benchmarks/check_hoisting.py)."""
@@ -184,14 +184,7 @@ def test_query_blocks_are_computed_once_per_step(model, monkeypatch):
     kernels = KernelChoice("interpret", "reference").resolve()
     toks = _tokens(8, (1, 40))[0]  # a prefill chunk beside a decode row: query blocks of several tokens
     batch, _ = build_batch([RowPlan(toks.tolist(), 0, range(1, 4)), RowPlan([5], 60, range(4, 9))], PS, 48, 2, 5)
-    computed: list[int] = []
-    compute = ragged._compute
-
-    def counting(*args, **kw):
-        computed.append(kw["bt"])
-        return compute(*args, **kw)
-
-    monkeypatch.setattr(ragged, "_compute", counting)
+    computed = query_blocks_computed
 
     def trace() -> list[int]:
         computed.clear()

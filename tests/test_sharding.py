@@ -170,20 +170,13 @@ def test_sharded_union_prefill_kernel(setup):
     assert not any(n.startswith("block_major") for n in inside), sorted(set(inside))
 
 
-def test_sharded_ops_take_the_steps_query_blocks(setup, monkeypatch):
+def test_sharded_ops_take_the_steps_query_blocks(setup, query_blocks_computed):
     """Under TP2 and TP4 the attention ops' shard_map bodies take the step's query blocks, handed in as
     replicated operands, and compute none of their own in any layer (`ragged.step_query_blocks`)."""
     from pallas_kernels.attention import ragged
 
     host, _ = setup
-    computed: list[int] = []
-    compute = ragged._compute
-
-    def counting(*args, **kw):
-        computed.append(kw["bt"])
-        return compute(*args, **kw)
-
-    monkeypatch.setattr(ragged, "_compute", counting)
+    computed = query_blocks_computed
     for tp in (2, 4):
         model = M3Model.create(CFG, host, tensor_parallel_size=tp, kernels=INTERPRET)
         for tokens in (TOKENS, TOKENS[:, :1]):  # prefill- and decode-shaped steps

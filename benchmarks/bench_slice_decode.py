@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.timing import device_profile, device_timeline, git_rev
+from benchmarks.timing import device_profile, device_timeline, git_rev, triton_kernels_only
 
 # HBM bytes per expert weight as the MoE kernels read it (moe/layout.py): an E8M0 byte per 32 elements for MX.
 EXPERT_BYTES = {"bf16": 2.0, "mxfp8": 1 + 1 / 32, "mxfp4": 0.5 + 1 / 32}
@@ -81,8 +81,14 @@ def main() -> None:
                          "behind a served request's time to first token)")
     ap.add_argument("--batch-invariant", action="store_true",
                     help="the kernels' batch-invariant mode (issue 27): where its cost goes, kernel by kernel")
+    ap.add_argument("--no-mosaic", action="store_true",
+                    help="the Triton kernels where a Hopper GPU's dispatch picks the Mosaic GPU ones (the before / "
+                         "after of issue 28's prefill kernels in one call)")
     ap.add_argument("--out", default="benchmarks/results/slice-decode-h200.json")
     args = ap.parse_args()
+    if args.no_mosaic:
+        triton_kernels_only()
+    kernels_name = "triton" if args.no_mosaic else "table"
 
     from checkpoints.prepare import prepare_params
     from m3jax.api import M3Model
@@ -150,7 +156,7 @@ def main() -> None:
         layer_floor = (b["total"] - b["lm_head"]) / cfg.num_layers / bw
         per_layer = (step_s - head_s) / cfg.num_layers
         return {"op": "m3_slice_decode_step", "shape": {"batch": B, "context": args.context, "layers": cfg.num_layers},
-                "moe_format": args.moe_format, "batch_invariant": args.batch_invariant,
+                "moe_format": args.moe_format, "batch_invariant": args.batch_invariant, "kernels": kernels_name,
                 "time_s": step_s, "floor_s": floor_s, "ratio": step_s / floor_s, "lm_head_time_s": head_s,
                 "per_layer_time_s": per_layer, "per_layer_floor_s": layer_floor,
                 "per_layer_ratio": per_layer / layer_floor, "bytes": b, "compile_s": compile_s,
@@ -171,7 +177,8 @@ def main() -> None:
         run, step_only, compile_s = first_step(kv, batch)
         time_s = timeit(run)
         return {"op": "m3_slice_prefill", "shape": {"tokens": n, "layers": cfg.num_layers},
-                "moe_format": args.moe_format, "batch_invariant": args.batch_invariant, "time_s": time_s,
+                "moe_format": args.moe_format, "batch_invariant": args.batch_invariant, "kernels": kernels_name,
+                "time_s": time_s,
                 "compile_s": compile_s, **device_profile(step_only, [()], calls=4, top=40),
                 **({"timeline": tl} if (tl := device_timeline(step_only)) else {}),
                 "device": jax.devices()[0].device_kind, "git_rev": rev, "jax": jax.__version__}

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.bench_engine_step import recorded_launches
-from benchmarks.timing import git_rev
+from benchmarks.timing import git_rev, triton_kernels_only
 
 
 def summarise(raw: str, top: int = 60) -> dict[str, Any]:
@@ -74,10 +74,8 @@ def main() -> None:
     from serving.core import EngineCore
     from serving.outputs import SamplingParams
 
-    if args.no_mosaic:  # the two names the tile tables ask (as tests/test_step_lowering.py patches them)
-        import pallas_kernels.attention.dispatch as attention_dispatch
-        import pallas_kernels.moe.kernel as moe_kernel
-        attention_dispatch.wgmma_device = moe_kernel.wgmma_device = lambda: False
+    if args.no_mosaic:
+        triton_kernels_only()
 
     # The executable cache's key does not see the kernel patch above: --no-mosaic compiles its own.
     settings = Settings(model=args.model, moe_weight_format=args.moe_format, max_num_seqs=128, max_model_len=2176,

@@ -27,6 +27,9 @@
 #             (issue 28's "MXFP8 MoE at T = 8192 within 1.2x of the bf16 kernel"); the table's tiles are timed as
 #             sweep rows (--sweep-table), so it fits an 80 GB H100, where the main table's 8192-token reference
 #             check (48 GB beside the weights) does not
+#   prefill8k  issue 28's 8k prompt before and after: m3-slice's bare 8k prefill with the Triton kernels
+#             (bench_slice_decode.py --no-mosaic) and with the table's (the Mosaic GPU ones), bf16 then MXFP8
+#   ttftc1    issue 27's TTFT at concurrency 1, four 1k requests per format (SERVE_PROMPTS=4), bf16 then MXFP8
 #   hoist     whether the GPU's XLA moves the query-block metadata out of a layer scan (check_hoisting.py; on the
 #             H100 it does not, which is why a forward computes it once per step: ragged.step_query_blocks)
 #   moemid    MXFP8 experts at mid sizes (T = 512 / 1024 / 2048, the 1k prefill's and mixed steps' MoE): the
@@ -120,6 +123,20 @@ for what in "$@"; do
       # An 8k prompt's bare prefill on m3-slice: the model's part of its time to first token.
       timeout 150 python3 benchmarks/bench_slice_decode.py --preset "${MODEL:-m3-slice}" --batches 1 \
         --context 8192 --prefill-lens 8192 --out "$OUT/slice-prefill-8k-$gpu.json"
+      ;;
+    prefill8k)
+      for fmt in bf16 mxfp8; do
+        for kernels in --no-mosaic ""; do
+          timeout 150 python3 benchmarks/bench_slice_decode.py --preset "${MODEL:-m3-slice}" --moe-format "$fmt" \
+            --batches 1 --context 8192 --prefill-lens 8192 $kernels \
+            --out "$OUT/slice-prefill-8k-${GPU_NAME:-h200}-$fmt${kernels:+-triton}.json" | tail -1 | cut -c1-300
+        done
+      done
+      ;;
+    ttftc1)
+      for fmt in bf16 mxfp8; do
+        SERVE_FORMAT=$fmt SERVE_SWEEPS="--sweep 1024x1024:1" SERVE_PROMPTS=4 SERVE_TIMEOUT=240 bash "$0" serve
+      done
       ;;
     hoist)
       gpu="${GPU_NAME:-h200}"

@@ -188,6 +188,16 @@ def rel_err(got: Any, want: Any) -> float:
     return float(np.linalg.norm(g - w) / max(np.linalg.norm(w), 1e-30))
 
 
+def triton_kernels_only() -> None:
+    """From here on, the Triton kernels where the Hopper dispatch would pick the Mosaic GPU ones (the "before"
+    of a Mosaic kernel, in the same process setup): the two names the tile tables ask, patched as
+    tests/test_step_lowering.py patches them. The executable cache's key does not see it: compile afresh."""
+    import pallas_kernels.attention.dispatch as attention_dispatch
+    import pallas_kernels.moe.kernel as moe_kernel
+
+    attention_dispatch.wgmma_device = moe_kernel.wgmma_device = lambda: False
+
+
 def git_rev() -> str:
     """The revision results record: M3JAX_GIT_REV (set on the GPU machine, which has no .git), else git's short
     hash with -dirty for uncommitted changes."""

@@ -172,15 +172,21 @@ def select_from_block_scores(scores_TGN: jax.Array, pos_T: jax.Array, *, block_s
     return idx
 
 
+def _forced(s_RC: jax.Array, b_1C: jax.Array, pos_R: jax.Array, *, P: int, ps: int, local_blocks: int,
+            init_blocks: int) -> jax.Array:
+    """The reference's forcing: a row's local blocks (up to its own) and the init blocks score +inf."""
+    qb_R1 = (pos_R // ps)[:, None]
+    forced = (b_1C <= qb_R1) & ((b_1C > qb_R1 - local_blocks) | (b_1C < init_blocks)) & (b_1C < P)
+    return jnp.where(forced, jnp.inf, s_RC)
+
+
 def _select_topk(s_RC: jax.Array, pos_R: jax.Array, *, P: int, ps: int, topk: int, kp: int, local_blocks: int,
                  init_blocks: int) -> jax.Array:
     """[R, wp] block scores (-inf past column P) -> [R, kp] block ids, -1 padded: the reference's forcing of the
     local / init blocks, then `topk` rounds of (row max, lowest index holding it)."""
     wp = s_RC.shape[1]
     b_1C = lax.broadcasted_iota(jnp.int32, (wp,), 0)[None, :]
-    qb_R1 = (pos_R // ps)[:, None]
-    forced = (b_1C <= qb_R1) & ((b_1C > qb_R1 - local_blocks) | (b_1C < init_blocks)) & (b_1C < P)
-    s_RC = jnp.where(forced, jnp.inf, s_RC)
+    s_RC = _forced(s_RC, b_1C, pos_R, P=P, ps=ps, local_blocks=local_blocks, init_blocks=init_blocks)
     k_1K = lax.broadcasted_iota(jnp.int32, (kp,), 0)[None, :]
 
     def pick(j, carry):
@@ -197,41 +203,84 @@ def _select_topk(s_RC: jax.Array, pos_R: jax.Array, *, P: int, ps: int, topk: in
     return out_RK
 
 
+def _rank_topk(load_chunk, s_RC: jax.Array, pos_R: jax.Array, *, P: int, ps: int, topk: int, kp: int,
+               local_blocks: int, init_blocks: int, chunk: int) -> jax.Array:
+    """`_select_topk`'s ids without its `topk` dependent rounds: each column's rank in lax.top_k's order (the
+    columns ahead of it: a larger score, or an equal one at a lower index) is counted against every other column
+    at once, `chunk` columns at a time (`load_chunk(j0)`: the scores of columns j0 .. j0 + chunk - 1), and id
+    slot k takes the column of rank k. The ranks are a permutation of the columns, so each slot takes exactly
+    one; slots at or past the row's visible (> -inf) count, or past `topk`, stay -1."""
+    R, wp = s_RC.shape
+    force = functools.partial(_forced, pos_R=pos_R, P=P, ps=ps, local_blocks=local_blocks, init_blocks=init_blocks)
+    b_1C = lax.broadcasted_iota(jnp.int32, (wp,), 0)[None, :]
+    s_RC = force(s_RC, b_1C)
+    s_RC1 = s_RC[:, :, None]
+    i_1C1 = b_1C[:, :, None]
+
+    def count(c, rank_RC):
+        j0 = c * chunk
+        j_1J = j0 + lax.broadcasted_iota(jnp.int32, (chunk,), 0)[None, :]
+        s_RJ = force(load_chunk(j0), j_1J)[:, None, :]
+        j_11J = j_1J[:, None, :]
+        ahead = (s_RJ > s_RC1) | ((s_RJ == s_RC1) & (j_11J < i_1C1))
+        return rank_RC + jnp.sum(ahead.astype(jnp.int32), axis=2)
+
+    rank_RC = lax.fori_loop(0, wp // chunk, count, jnp.zeros((R, wp), jnp.int32))
+    visible_R1 = jnp.sum((s_RC > -jnp.inf).astype(jnp.int32), axis=1)[:, None]
+    k_11K = lax.broadcasted_iota(jnp.int32, (kp,), 0)[None, None, :]
+    ids_RK = jnp.sum(jnp.where(rank_RC[:, :, None] == k_11K, i_1C1, 0), axis=1)
+    k_1K = k_11K[:, 0, :]
+    return jnp.where((k_1K < visible_R1) & (k_1K < min(topk, P)), ids_RK, -1)
+
+
 def _topk_kernel(pos_ref, scores_ref, out_ref, *, rb: int, G: int, wp: int, P: int, ps: int, topk: int, kp: int,
-                 local_blocks: int, init_blocks: int):
+                 local_blocks: int, init_blocks: int, chunk: int | None):
     r0 = pl.program_id(0) * rb
     TG = scores_ref.shape[0]
     row_R = r0 + lax.broadcasted_iota(jnp.int32, (rb,), 0)
     ok_R = row_R < TG
-    col_C = lax.broadcasted_iota(jnp.int32, (wp,), 0)
-    s_RC = plgpu.load(scores_ref.at[pl.ds(r0, rb), pl.ds(0, wp)], mask=ok_R[:, None] & (col_C < P)[None, :],
-                      other=-jnp.inf)
+
+    def load(j0: int | jax.Array, width: int) -> jax.Array:
+        col_C = j0 + lax.broadcasted_iota(jnp.int32, (width,), 0)
+        return plgpu.load(scores_ref.at[pl.ds(r0, rb), pl.ds(j0, width)],
+                          mask=ok_R[:, None] & (col_C < P)[None, :], other=-jnp.inf)
+
+    s_RC = load(0, wp)
     pos_R = plgpu.load(pos_ref.at[jnp.minimum(row_R, TG - 1) // G])
-    out_RK = _select_topk(s_RC, pos_R, P=P, ps=ps, topk=topk, kp=kp, local_blocks=local_blocks,
-                          init_blocks=init_blocks)
+    kw = dict(P=P, ps=ps, topk=topk, kp=kp, local_blocks=local_blocks, init_blocks=init_blocks)
+    if chunk is None:
+        out_RK = _select_topk(s_RC, pos_R, **kw)
+    else:
+        out_RK = _rank_topk(lambda j0: load(j0, chunk), s_RC, pos_R, chunk=chunk, **kw)
     plgpu.store(out_ref.at[pl.ds(r0, rb), :], out_RK, mask=jnp.broadcast_to(ok_R[:, None], (rb, kp)))
 
 
 def topk_blocks(scores_TGW: jax.Array, pos_T: jax.Array, *, block_size: int, num_blocks: int, topk: int,
                 local_blocks: int, init_blocks: int = 0, interpret: bool = False, rows_per_program: int | None = None,
-                num_warps: int = 4) -> jax.Array:
+                num_warps: int = 4, rank_chunk: int | None = None) -> jax.Array:
     """Pallas `select_from_block_scores`: the same forcing and the same ids in the same order as lax.top_k, as
     `topk` rounds of (row max, lowest index holding it) over each row held in registers. On the H200 it made the
     whole index op 28-38 us faster than `lax.top_k` at batch-64 decode (8k-128k) and 106 us at an 8k prefill.
-    `rows_per_program` (default: ~2048 scores in registers) and `num_warps`: benchmarks/bench_topk.py's sweep."""
+    `rank_chunk`: the same ids from every column's rank instead (`_rank_topk`, counted `rank_chunk` columns at a
+    time), no dependent rounds. `rows_per_program` (default: ~2048 scores in registers, or ~8192 comparisons a
+    chunk by rank), `num_warps` and `rank_chunk`: benchmarks/bench_topk.py's sweep."""
     T, G, W = scores_TGW.shape
     wp = 1 << max(0, (num_blocks - 1).bit_length())
     kp = 1 << max(0, (topk - 1).bit_length())
-    rb = rows_per_program or max(1, min(64, 2048 // wp))
+    chunk = None if rank_chunk is None else min(wp, rank_chunk)
+    if chunk is not None and chunk & (chunk - 1):
+        raise ValueError(f"rank_chunk must be a power of two: got {rank_chunk}")
+    default_rb = 2048 // wp if chunk is None else 8192 // (wp * chunk)
+    rb = rows_per_program or max(1, min(64, default_rb))
     kernel = functools.partial(_topk_kernel, rb=rb, G=G, wp=wp, P=num_blocks, ps=block_size, topk=topk, kp=kp,
-                               local_blocks=local_blocks, init_blocks=init_blocks)
+                               local_blocks=local_blocks, init_blocks=init_blocks, chunk=chunk)
     out = pl.pallas_call(
         kernel,
         grid=(-(-(T * G) // rb),),
         out_shape=jax.ShapeDtypeStruct((T * G, kp), jnp.int32),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
-        name=f"msa_topk_rb{rb}",
+        name=f"msa_topk_rb{rb}" + ("" if chunk is None else f"_rank{chunk}"),
     )(pos_T.astype(jnp.int32), scores_TGW.reshape(T * G, W))
     return out.reshape(T, G, kp)[..., :topk]
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -233,12 +234,27 @@ def _rank_topk(load_chunk, s_RC: jax.Array, pos_R: jax.Array, *, P: int, ps: int
     return jnp.where((k_1K < visible_R1) & (k_1K < min(topk, P)), ids_RK, -1)
 
 
-def _topk_kernel(pos_ref, scores_ref, out_ref, *, rb: int, G: int, wp: int, P: int, ps: int, topk: int, kp: int,
-                 local_blocks: int, init_blocks: int, chunk: int | None):
+def _topk_kernel(*refs, rb: int, G: int, wp: int, P: int, ps: int, topk: int, kp: int, local_blocks: int,
+                 init_blocks: int, chunk: int | None, block_rows: int | None):
+    """`rb` rows of scores -> their ids. Token-major scores (`block_rows` None): rows r0 .. r0 + rb - 1 are the
+    output's rows. Query-block-major ones (`topk_blocks`' `blocks`): a program's rows lie in one query block's
+    `block_rows` (its tokens x G), and go to its tokens' rows of the token-major output; rows past the block's
+    length are nobody's and are neither read nor written."""
+    if block_rows is None:
+        pos_ref, scores_ref, out_ref = refs
+    else:
+        start_ref, length_ref, pos_ref, scores_ref, out_ref = refs
     r0 = pl.program_id(0) * rb
-    TG = scores_ref.shape[0]
-    row_R = r0 + lax.broadcasted_iota(jnp.int32, (rb,), 0)
-    ok_R = row_R < TG
+    iota_R = lax.broadcasted_iota(jnp.int32, (rb,), 0)
+    if block_rows is None:
+        row_R = r0 + iota_R
+        ok_R = row_R < scores_ref.shape[0]
+        token_R, out0 = row_R // G, r0
+    else:
+        q, local_R = r0 // block_rows, r0 % block_rows + iota_R
+        t0 = start_ref[q]
+        ok_R = local_R // G < length_ref[q]
+        token_R, out0 = t0 + local_R // G, t0 * G + r0 % block_rows
 
     def load(j0: int | jax.Array, width: int) -> jax.Array:
         col_C = j0 + lax.broadcasted_iota(jnp.int32, (width,), 0)
@@ -246,25 +262,30 @@ def _topk_kernel(pos_ref, scores_ref, out_ref, *, rb: int, G: int, wp: int, P: i
                           mask=ok_R[:, None] & (col_C < P)[None, :], other=-jnp.inf)
 
     s_RC = load(0, wp)
-    pos_R = plgpu.load(pos_ref.at[jnp.minimum(row_R, TG - 1) // G])
+    pos_R = plgpu.load(pos_ref.at[jnp.minimum(token_R, pos_ref.shape[0] - 1)])
     kw = dict(P=P, ps=ps, topk=topk, kp=kp, local_blocks=local_blocks, init_blocks=init_blocks)
     if chunk is None:
         out_RK = _select_topk(s_RC, pos_R, **kw)
     else:
         out_RK = _rank_topk(lambda j0: load(j0, chunk), s_RC, pos_R, chunk=chunk, **kw)
-    plgpu.store(out_ref.at[pl.ds(r0, rb), :], out_RK, mask=jnp.broadcast_to(ok_R[:, None], (rb, kp)))
+    plgpu.store(out_ref.at[pl.ds(out0, rb), :], out_RK, mask=jnp.broadcast_to(ok_R[:, None], (rb, kp)))
 
 
 def topk_blocks(scores_TGW: jax.Array, pos_T: jax.Array, *, block_size: int, num_blocks: int, topk: int,
                 local_blocks: int, init_blocks: int = 0, interpret: bool = False, rows_per_program: int | None = None,
-                num_warps: int = 4, rank_chunk: int | None = None) -> jax.Array:
+                num_warps: int = 4, rank_chunk: int | None = None, blocks: QueryBlocks | None = None) -> jax.Array:
     """Pallas `select_from_block_scores`: the same forcing and the same ids in the same order as lax.top_k, as
     `topk` rounds of (row max, lowest index holding it) over each row held in registers. On the H200 it made the
     whole index op 28-38 us faster than `lax.top_k` at batch-64 decode (8k-128k) and 106 us at an 8k prefill.
     `rank_chunk`: the same ids from every column's rank instead (`_rank_topk`, counted `rank_chunk` columns at a
     time), no dependent rounds. `rows_per_program` (default: ~2048 scores in registers, or ~8192 comparisons a
-    chunk by rank), `num_warps` and `rank_chunk`: benchmarks/bench_topk.py's sweep."""
-    T, G, W = scores_TGW.shape
+    chunk by rank), `num_warps` and `rank_chunk`: benchmarks/bench_topk.py's sweep.
+
+    `blocks`: the scores are query-block-major, as the Mosaic GPU scoring writes them ([Q * bt, G, W], slot
+    q * bt + i holding token blocks.start_Q[q] + i for i < blocks.length_Q[q]), and are read so, with no gather
+    back to tokens first; the ids are token-major all the same, [len(pos_T), G, topk]."""
+    S, G, W = scores_TGW.shape
+    T = pos_T.shape[0]
     wp = 1 << max(0, (num_blocks - 1).bit_length())
     kp = 1 << max(0, (topk - 1).bit_length())
     chunk = None if rank_chunk is None else min(wp, rank_chunk)
@@ -272,16 +293,22 @@ def topk_blocks(scores_TGW: jax.Array, pos_T: jax.Array, *, block_size: int, num
         raise ValueError(f"rank_chunk must be a power of two: got {rank_chunk}")
     default_rb = 2048 // wp if chunk is None else 8192 // (wp * chunk)
     rb = rows_per_program or max(1, min(64, default_rb))
+    block_rows, lead = None, ()
+    if blocks is not None:
+        block_rows = S // blocks.num_blocks * G  # a query block's rows; a program's rows stay in one block
+        rb = math.gcd(rb, block_rows)
+        lead = (blocks.start_Q, blocks.length_Q)
     kernel = functools.partial(_topk_kernel, rb=rb, G=G, wp=wp, P=num_blocks, ps=block_size, topk=topk, kp=kp,
-                               local_blocks=local_blocks, init_blocks=init_blocks, chunk=chunk)
+                               local_blocks=local_blocks, init_blocks=init_blocks, chunk=chunk,
+                               block_rows=block_rows)
     out = pl.pallas_call(
         kernel,
-        grid=(-(-(T * G) // rb),),
+        grid=(-(-(S * G) // rb),),
         out_shape=jax.ShapeDtypeStruct((T * G, kp), jnp.int32),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
-        name=f"msa_topk_rb{rb}" + ("" if chunk is None else f"_rank{chunk}"),
-    )(pos_T.astype(jnp.int32), scores_TGW.reshape(T * G, W))
+        name=f"msa_topk_rb{rb}" + ("" if chunk is None else f"_rank{chunk}") + ("" if blocks is None else "_qb"),
+    )(*lead, pos_T.astype(jnp.int32), scores_TGW.reshape(S * G, W))
     return out.reshape(T, G, kp)[..., :topk]
 
 
@@ -290,6 +317,12 @@ def paged_select_blocks(iq_TGD: jax.Array, ik_pages: jax.Array, page_table_RP: j
                         tiles: IndexTiles, interpret: bool = False) -> jax.Array:
     """Kernel version of `msa.reference.paged_select_blocks`: logical block ids [T, G, topk], -1 padded."""
     sel = {"topk": topk, "local_blocks": local_blocks, "init_blocks": init_blocks} if tiles.topk == "fused" else None
+    select = functools.partial(topk_blocks, block_size=ik_pages.shape[1], num_blocks=page_table_RP.shape[1],
+                               topk=topk, local_blocks=local_blocks, init_blocks=init_blocks, interpret=interpret)
+    if tiles.backend == "mosaic" and tiles.topk == "pallas":  # the top-k reads the kernel's block-major rows
+        scores, qbs = kernel_mgpu.block_major_scores(iq_TGD, ik_pages, page_table_RP, token_row_T, pos_T,
+                                                     bp=tiles.bp, stages=tiles.num_stages, interpret=interpret)
+        return select(scores, pos_T, blocks=qbs)
     if tiles.backend == "mosaic":
         scores = kernel_mgpu.block_scores(iq_TGD, ik_pages, page_table_RP, token_row_T, pos_T, bp=tiles.bp,
                                           stages=tiles.num_stages, select=sel, interpret=interpret)
@@ -300,8 +333,7 @@ def paged_select_blocks(iq_TGD: jax.Array, ik_pages: jax.Array, page_table_RP: j
     if sel is not None:
         return scores  # given `select`, either scoring kernel returned the selected ids instead
     if tiles.topk == "pallas":
-        return topk_blocks(scores, pos_T, block_size=ik_pages.shape[1], num_blocks=page_table_RP.shape[1],
-                           topk=topk, local_blocks=local_blocks, init_blocks=init_blocks, interpret=interpret)
+        return select(scores, pos_T)
     return select_from_block_scores(scores, pos_T, block_size=ik_pages.shape[1], num_blocks=page_table_RP.shape[1],
                                     topk=topk, local_blocks=local_blocks, init_blocks=init_blocks)
 

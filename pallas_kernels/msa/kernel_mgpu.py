@@ -32,7 +32,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.attention.kernel_mgpu import NO_ROW, WG_ROWS, heaviest_first, per_row, row_positions, stream_pages
-from pallas_kernels.attention.ragged import query_blocks
+from pallas_kernels.attention.ragged import QueryBlocks, query_blocks
 
 
 def tokens_per_block(index_heads: int) -> int:
@@ -145,6 +145,21 @@ def block_scores(iq_TGD: jax.Array, ik_pages: jax.Array, page_table_RP: jax.Arra
     `tokens_per_block(G)` tokens. With `select` (`kernel.topk_blocks`' keyword arguments: topk, local_blocks,
     init_blocks) each program selects too and the result is the block ids [T, G, topk]: one launch, no scores
     through memory; every page of a row must then be one program's (bp >= the page table's width)."""
+    out, qbs = block_major_scores(iq_TGD, ik_pages, page_table_RP, token_row_T, pos_T, bp=bp, stages=stages,
+                                  select=select, interpret=interpret)
+    # Token t's rows: its offset in its query block.
+    T, bt = pos_T.shape[0], tokens_per_block(iq_TGD.shape[1])
+    t = jnp.arange(T, dtype=jnp.int32)
+    out = out[qbs.block_T * bt + t - qbs.start_Q[qbs.block_T]]
+    return out if select is None else out[..., :select["topk"]]
+
+
+def block_major_scores(iq_TGD: jax.Array, ik_pages: jax.Array, page_table_RP: jax.Array, token_row_T: jax.Array,
+                       pos_T: jax.Array, *, bp: int, stages: int, select: dict | None = None,
+                       interpret: bool = False) -> tuple[jax.Array, QueryBlocks]:
+    """`block_scores` as the kernel writes it, query-block-major: [Q * bt, G, P'] (slot q * bt + i holds token
+    qbs.start_Q[q] + i for i < qbs.length_Q[q]; the other slots are nobody's), and the query blocks (bt =
+    `tokens_per_block(G)`). `kernel.topk_blocks(..., blocks=qbs)` reads it so, with no gather back to tokens."""
     T, G, Di = iq_TGD.shape
     ps = ik_pages.shape[1]
     P = page_table_RP.shape[1]
@@ -194,7 +209,4 @@ def block_scores(iq_TGD: jax.Array, ik_pages: jax.Array, page_table_RP: jax.Arra
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(qbs.start_Q, qbs.length_Q, qbs.row_Q, qbs.max_pos_Q, page_table_RP.astype(jnp.int32),
       pos_T.astype(jnp.int32), iq, ik_pages)
-    # Token t's rows: its offset in its query block.
-    t = jnp.arange(T, dtype=jnp.int32)
-    out = out.reshape(Q, bt, G, num_splits * width)[qbs.block_T, t - qbs.start_Q[qbs.block_T]]
-    return out if select is None else out[..., :select["topk"]]
+    return out.reshape(Q * bt, G, num_splits * width), qbs

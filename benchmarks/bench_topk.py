@@ -1,10 +1,9 @@
-"""The MSA index's Pallas top-k (`msa.kernel.topk_blocks`) at an 8k prefill chunk: rows per program x warps x method.
+"""The MSA index's Pallas top-k (`msa.kernel.topk_blocks`) at an 8k prefill chunk: rows per program x warps.
 
 At an 8k chunk the top-k is the index op's second kernel (24 us kernel-busy on an H100 beside the scoring
 kernel's 55 us), far above what it reads (8192 tokens x 4 index heads x 64 block scores in fp32: 8.4 MB, ~2.5 us
-at HBM bandwidth). This sweeps its launch shape and its method (`--rank-chunks`: 0 is the `topk` dependent rounds,
-N the rank of every column counted N columns at a time): each configuration's kernel-busy time (the GPU trace),
-and its ids against the default configuration's, bit for bit. One request of `--tokens` tokens at positions 0.. (a
+at HBM bandwidth). This sweeps its launch shape: each configuration's kernel-busy time (the GPU trace), and its
+ids against the default configuration's, bit for bit. One request of `--tokens` tokens at positions 0.. (a
 causal chunk: token t sees blocks 0 .. t // page), random scores on the visible blocks.
 
     PYTHONPATH=. python benchmarks/bench_topk.py --out benchmarks/results/topk-h100.json
@@ -13,7 +12,6 @@ causal chunk: token t sees blocks 0 .. t // page), random scores on the visible 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 from typing import Any
@@ -36,10 +34,8 @@ def main() -> None:
     ap.add_argument("--page", type=int, default=128)
     ap.add_argument("--topk", type=int, default=16)
     ap.add_argument("--local-blocks", type=int, default=1)
-    ap.add_argument("--rows", type=int, nargs="+", default=[8, 16, 32, 64, 128], help="per program; 0: the default")
+    ap.add_argument("--rows", type=int, nargs="+", default=[8, 16, 32, 64, 128])
     ap.add_argument("--warps", type=int, nargs="+", default=[1, 2, 4, 8])
-    ap.add_argument("--rank-chunks", type=int, nargs="+", default=[0],
-                    help="0: the rounds (default method); N: by rank, N columns a chunk (topk_blocks' rank_chunk)")
     ap.add_argument("--small", action="store_true", help="a CPU dry run in interpret mode (256 tokens)")
     ap.add_argument("--git-rev", default=os.environ.get("M3JAX_GIT_REV", "unknown"))
     ap.add_argument("--out", default="benchmarks/results/topk.json")
@@ -58,32 +54,31 @@ def main() -> None:
     bw = next((v for k, v in HBM_BYTES_PER_S.items() if k in device), None)
     floor_s = None if bw is None else (T * a.heads * W * 4 + T * a.heads * a.topk * 4) / bw
 
-    def select(rows: int | None, warps: int, chunk: int | None):
+    def select(rows: int | None, warps: int):
         return jax.jit(lambda s, p: msa_kernel.topk_blocks(
             s, p, block_size=a.page, num_blocks=P, topk=a.topk, local_blocks=a.local_blocks, interpret=a.small,
-            rows_per_program=rows, num_warps=warps, rank_chunk=chunk))
+            rows_per_program=rows, num_warps=warps))
 
-    want = np.asarray(select(None, 4, None)(scores_j, pos_j))
+    want = np.asarray(select(None, 4)(scores_j, pos_j))
     out: list[dict[str, Any]] = []
-    for chunk, rows, warps in itertools.product(a.rank_chunks, a.rows, a.warps):
-        method = "rounds" if not chunk else f"rank chunk={chunk}"
-        row: dict[str, Any] = {"op": "msa_topk", "case": f"prefill-{T}",
-                               "variant": f"{method} rows={rows} warps={warps}",
-                               "shape": {"tokens": T, "heads": a.heads, "width": W, "pages": P, "topk": a.topk},
-                               "device": device, "git_rev": a.git_rev, "floor_s": floor_s, "floor_kind": "bytes"}
-        try:
-            fn = select(rows or None, warps, chunk or None)
-            row["same_ids_as_default"] = bool(np.array_equal(np.asarray(fn(scores_j, pos_j)), want))
-            prof = device_profile(fn, [(scores_j, pos_j)], calls=2 if a.small else 20)
-            row.update(prof)
-            busy = prof.get("device_busy_s")
-            row["time_s"] = busy
-            row["ratio"] = None if busy is None or floor_s is None else busy / floor_s
-        except Exception as e:  # noqa: BLE001 - one configuration failing must not end the sweep
-            row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-        print(json.dumps({k: row.get(k) for k in ("variant", "time_s", "ratio", "same_ids_as_default", "error")}),
-              flush=True)
-        out.append(row)
+    for rows in a.rows:
+        for warps in a.warps:
+            row: dict[str, Any] = {"op": "msa_topk", "case": f"prefill-{T}", "variant": f"rows={rows} warps={warps}",
+                                   "shape": {"tokens": T, "heads": a.heads, "width": W, "pages": P, "topk": a.topk},
+                                   "device": device, "git_rev": a.git_rev, "floor_s": floor_s, "floor_kind": "bytes"}
+            try:
+                fn = select(rows, warps)
+                row["same_ids_as_default"] = bool(np.array_equal(np.asarray(fn(scores_j, pos_j)), want))
+                prof = device_profile(fn, [(scores_j, pos_j)], calls=2 if a.small else 20)
+                row.update(prof)
+                busy = prof.get("device_busy_s")
+                row["time_s"] = busy
+                row["ratio"] = None if busy is None or floor_s is None else busy / floor_s
+            except Exception as e:  # noqa: BLE001 - one configuration failing must not end the sweep
+                row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            print(json.dumps({k: row.get(k) for k in ("variant", "time_s", "ratio", "same_ids_as_default", "error")}),
+                  flush=True)
+            out.append(row)
     if out and not a.small:
         out[0]["gpu_state"] = gpu_state()
     with open(a.out, "w") as f:

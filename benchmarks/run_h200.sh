@@ -30,8 +30,6 @@
 #   prefill8k  issue 28's 8k prompt before and after: m3-slice's bare 8k prefill with the Triton kernels
 #             (bench_slice_decode.py --no-mosaic) and with the table's (the Mosaic GPU ones), bf16 then MXFP8
 #   ttftc1    issue 27's TTFT at concurrency 1, four 1k requests per format (SERVE_PROMPTS=4), bf16 then MXFP8
-#   topk      the index top-k at an 8k prefill chunk, the rounds against the rank (bench_topk.py --rank-chunks), rows
-#             per program x warps, ids against the default's
 #   hoist     whether the GPU's XLA moves the query-block metadata out of a layer scan (check_hoisting.py; on the
 #             H100 it does not, which is why a forward computes it once per step: ragged.step_query_blocks)
 #   moemid    MXFP8 experts at mid sizes (T = 512 / 1024 / 2048, the 1k prefill's and mixed steps' MoE): the
@@ -139,10 +137,6 @@ for what in "$@"; do
       for fmt in bf16 mxfp8; do
         SERVE_FORMAT=$fmt SERVE_SWEEPS="--sweep 1024x1024:1" SERVE_PROMPTS=4 SERVE_TIMEOUT=240 bash "$0" serve
       done
-      ;;
-    topk)
-      timeout "${TOPK_TIMEOUT:-150}" python3 benchmarks/bench_topk.py --rows 0 4 16 --warps 4 8 \
-        --rank-chunks 0 8 16 32 64 --out "$OUT/topk-${GPU_NAME:-h200}.json" | cut -c1-200
       ;;
     hoist)
       gpu="${GPU_NAME:-h200}"

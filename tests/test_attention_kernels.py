@@ -176,25 +176,29 @@ def test_topk_kernel_ties_and_short_rows():
     pos = jnp.asarray([37, 20, 3], jnp.int32)
     kw = dict(block_size=8, num_blocks=8, topk=5, local_blocks=1, init_blocks=1)
     want = msa_kernel.select_from_block_scores(jnp.asarray(scores), pos, **kw)
-    for rank_chunk in (None, 2, 8):  # the rounds, and the rank counted 2 columns at a time or all at once
-        got = msa_kernel.topk_blocks(jnp.asarray(scores), pos, interpret=True, rank_chunk=rank_chunk, **kw)
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    got = msa_kernel.topk_blocks(jnp.asarray(scores), pos, interpret=True, **kw)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
-@pytest.mark.parametrize("rank_chunk", [None, 4, 16])
-def test_topk_kernel_random_scores(rank_chunk):
-    """Small-integer scores (many ties) on causal rows of several widths: the rounds and the rank give the
-    reference's ids, bit for bit."""
-    rng = np.random.default_rng(11)
-    for T, G, P, W, ps in [(40, 4, 40, 64, 16), (17, 4, 100, 128, 4), (9, 4, 5, 32, 8)]:
-        pos = rng.integers(0, P * ps, size=T).astype(np.int32)
-        scores = rng.integers(-3, 4, size=(T, G, W)).astype(np.float32)
-        scores = np.where(np.arange(W)[None, None, :] <= (pos // ps)[:, None, None], scores, -np.inf)
-        kw = dict(block_size=ps, num_blocks=P, topk=16, local_blocks=1, init_blocks=1)
-        args = (jnp.asarray(scores, jnp.float32), jnp.asarray(pos))
-        want = msa_kernel.select_from_block_scores(*args, **kw)
-        got = msa_kernel.topk_blocks(*args, interpret=True, rank_chunk=rank_chunk, **kw)
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+def test_topk_kernel_reads_query_block_major_scores():
+    """`topk_blocks(blocks=...)` on scores laid out as the Mosaic GPU scoring writes them (slot q * bt + i for
+    token start_Q[q] + i, unused slots holding garbage) gives the token-major ids of the token-major call."""
+    rng = np.random.default_rng(12)
+    token_row = jnp.asarray([0] * 37 + [1] * 4 + [2] * 9 + [0] * 14, jnp.int32)  # a short block, then padding
+    pos = jnp.asarray(list(range(300, 337)) + list(range(60, 64)) + list(range(9)) + [0] * 14, jnp.int32)
+    T, G, W, bt = 64, 4, 32, 8
+    scores = rng.integers(-3, 4, (T, G, W)).astype(np.float32)
+    scores = np.where(np.arange(W)[None, None, :] <= (np.asarray(pos) // 16)[:, None, None], scores, -np.inf)
+    qbs = query_blocks(token_row, pos, bt=bt, num_rows=3)
+    Q = qbs.num_blocks
+    start, length = np.asarray(qbs.start_Q), np.asarray(qbs.length_Q)
+    major = rng.normal(size=(Q * bt, G, W)).astype(np.float32)  # nobody's slots keep this
+    for q in range(Q):
+        major[q * bt:q * bt + length[q]] = scores[start[q]:start[q] + length[q]]
+    kw = dict(block_size=16, num_blocks=24, topk=5, local_blocks=1, init_blocks=1, interpret=True)
+    want = msa_kernel.topk_blocks(jnp.asarray(scores), pos, **kw)
+    got = msa_kernel.topk_blocks(jnp.asarray(major), pos, blocks=qbs, **kw)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 def test_kv_write_equal_scatter():

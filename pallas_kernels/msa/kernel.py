@@ -173,21 +173,15 @@ def select_from_block_scores(scores_TGN: jax.Array, pos_T: jax.Array, *, block_s
     return idx
 
 
-def _forced(s_RC: jax.Array, b_1C: jax.Array, pos_R: jax.Array, *, P: int, ps: int, local_blocks: int,
-            init_blocks: int) -> jax.Array:
-    """The reference's forcing: a row's local blocks (up to its own) and the init blocks score +inf."""
-    qb_R1 = (pos_R // ps)[:, None]
-    forced = (b_1C <= qb_R1) & ((b_1C > qb_R1 - local_blocks) | (b_1C < init_blocks)) & (b_1C < P)
-    return jnp.where(forced, jnp.inf, s_RC)
-
-
 def _select_topk(s_RC: jax.Array, pos_R: jax.Array, *, P: int, ps: int, topk: int, kp: int, local_blocks: int,
                  init_blocks: int) -> jax.Array:
     """[R, wp] block scores (-inf past column P) -> [R, kp] block ids, -1 padded: the reference's forcing of the
     local / init blocks, then `topk` rounds of (row max, lowest index holding it)."""
     wp = s_RC.shape[1]
     b_1C = lax.broadcasted_iota(jnp.int32, (wp,), 0)[None, :]
-    s_RC = _forced(s_RC, b_1C, pos_R, P=P, ps=ps, local_blocks=local_blocks, init_blocks=init_blocks)
+    qb_R1 = (pos_R // ps)[:, None]
+    forced = (b_1C <= qb_R1) & ((b_1C > qb_R1 - local_blocks) | (b_1C < init_blocks)) & (b_1C < P)
+    s_RC = jnp.where(forced, jnp.inf, s_RC)
     k_1K = lax.broadcasted_iota(jnp.int32, (kp,), 0)[None, :]
 
     def pick(j, carry):
@@ -204,38 +198,8 @@ def _select_topk(s_RC: jax.Array, pos_R: jax.Array, *, P: int, ps: int, topk: in
     return out_RK
 
 
-def _rank_topk(load_chunk, s_RC: jax.Array, pos_R: jax.Array, *, P: int, ps: int, topk: int, kp: int,
-               local_blocks: int, init_blocks: int, chunk: int) -> jax.Array:
-    """`_select_topk`'s ids without its `topk` dependent rounds: each column's rank in lax.top_k's order (the
-    columns ahead of it: a larger score, or an equal one at a lower index) is counted against every other column
-    at once, `chunk` columns at a time (`load_chunk(j0)`: the scores of columns j0 .. j0 + chunk - 1), and id
-    slot k takes the column of rank k. The ranks are a permutation of the columns, so each slot takes exactly
-    one; slots at or past the row's visible (> -inf) count, or past `topk`, stay -1."""
-    R, wp = s_RC.shape
-    force = functools.partial(_forced, pos_R=pos_R, P=P, ps=ps, local_blocks=local_blocks, init_blocks=init_blocks)
-    b_1C = lax.broadcasted_iota(jnp.int32, (wp,), 0)[None, :]
-    s_RC = force(s_RC, b_1C)
-    s_RC1 = s_RC[:, :, None]
-    i_1C1 = b_1C[:, :, None]
-
-    def count(c, rank_RC):
-        j0 = c * chunk
-        j_1J = j0 + lax.broadcasted_iota(jnp.int32, (chunk,), 0)[None, :]
-        s_RJ = force(load_chunk(j0), j_1J)[:, None, :]
-        j_11J = j_1J[:, None, :]
-        ahead = (s_RJ > s_RC1) | ((s_RJ == s_RC1) & (j_11J < i_1C1))
-        return rank_RC + jnp.sum(ahead.astype(jnp.int32), axis=2)
-
-    rank_RC = lax.fori_loop(0, wp // chunk, count, jnp.zeros((R, wp), jnp.int32))
-    visible_R1 = jnp.sum((s_RC > -jnp.inf).astype(jnp.int32), axis=1)[:, None]
-    k_11K = lax.broadcasted_iota(jnp.int32, (kp,), 0)[None, None, :]
-    ids_RK = jnp.sum(jnp.where(rank_RC[:, :, None] == k_11K, i_1C1, 0), axis=1)
-    k_1K = k_11K[:, 0, :]
-    return jnp.where((k_1K < visible_R1) & (k_1K < min(topk, P)), ids_RK, -1)
-
-
 def _topk_kernel(*refs, rb: int, G: int, wp: int, P: int, ps: int, topk: int, kp: int, local_blocks: int,
-                 init_blocks: int, chunk: int | None, block_rows: int | None):
+                 init_blocks: int, block_rows: int | None):
     """`rb` rows of scores -> their ids. Token-major scores (`block_rows` None): rows r0 .. r0 + rb - 1 are the
     output's rows. Query-block-major ones (`topk_blocks`' `blocks`): a program's rows lie in one query block's
     `block_rows` (its tokens x G), and go to its tokens' rows of the token-major output; rows past the block's
@@ -256,30 +220,24 @@ def _topk_kernel(*refs, rb: int, G: int, wp: int, P: int, ps: int, topk: int, kp
         ok_R = local_R // G < length_ref[q]
         token_R, out0 = t0 + local_R // G, t0 * G + r0 % block_rows
 
-    def load(j0: int | jax.Array, width: int) -> jax.Array:
-        col_C = j0 + lax.broadcasted_iota(jnp.int32, (width,), 0)
-        return plgpu.load(scores_ref.at[pl.ds(r0, rb), pl.ds(j0, width)],
-                          mask=ok_R[:, None] & (col_C < P)[None, :], other=-jnp.inf)
-
-    s_RC = load(0, wp)
+    col_C = lax.broadcasted_iota(jnp.int32, (wp,), 0)
+    s_RC = plgpu.load(scores_ref.at[pl.ds(r0, rb), pl.ds(0, wp)], mask=ok_R[:, None] & (col_C < P)[None, :],
+                      other=-jnp.inf)
     pos_R = plgpu.load(pos_ref.at[jnp.minimum(token_R, pos_ref.shape[0] - 1)])
-    kw = dict(P=P, ps=ps, topk=topk, kp=kp, local_blocks=local_blocks, init_blocks=init_blocks)
-    if chunk is None:
-        out_RK = _select_topk(s_RC, pos_R, **kw)
-    else:
-        out_RK = _rank_topk(lambda j0: load(j0, chunk), s_RC, pos_R, chunk=chunk, **kw)
+    out_RK = _select_topk(s_RC, pos_R, P=P, ps=ps, topk=topk, kp=kp, local_blocks=local_blocks,
+                          init_blocks=init_blocks)
     plgpu.store(out_ref.at[pl.ds(out0, rb), :], out_RK, mask=jnp.broadcast_to(ok_R[:, None], (rb, kp)))
 
 
 def topk_blocks(scores_TGW: jax.Array, pos_T: jax.Array, *, block_size: int, num_blocks: int, topk: int,
                 local_blocks: int, init_blocks: int = 0, interpret: bool = False, rows_per_program: int | None = None,
-                num_warps: int = 4, rank_chunk: int | None = None, blocks: QueryBlocks | None = None) -> jax.Array:
+                num_warps: int = 4, blocks: QueryBlocks | None = None) -> jax.Array:
     """Pallas `select_from_block_scores`: the same forcing and the same ids in the same order as lax.top_k, as
     `topk` rounds of (row max, lowest index holding it) over each row held in registers. On the H200 it made the
     whole index op 28-38 us faster than `lax.top_k` at batch-64 decode (8k-128k) and 106 us at an 8k prefill.
-    `rank_chunk`: the same ids from every column's rank instead (`_rank_topk`, counted `rank_chunk` columns at a
-    time), no dependent rounds. `rows_per_program` (default: ~2048 scores in registers, or ~8192 comparisons a
-    chunk by rank), `num_warps` and `rank_chunk`: benchmarks/bench_topk.py's sweep.
+    `rows_per_program` (default: ~2048 scores in registers) and `num_warps`: benchmarks/bench_topk.py's sweep
+    (neither matters on the H100; nor did counting every column's rank at once in place of the rounds, which
+    took 36-130 us against their 22 us: docs/benchmarks.md).
 
     `blocks`: the scores are query-block-major, as the Mosaic GPU scoring writes them ([Q * bt, G, W], slot
     q * bt + i holding token blocks.start_Q[q] + i for i < blocks.length_Q[q]), and are read so, with no gather
@@ -288,26 +246,21 @@ def topk_blocks(scores_TGW: jax.Array, pos_T: jax.Array, *, block_size: int, num
     T = pos_T.shape[0]
     wp = 1 << max(0, (num_blocks - 1).bit_length())
     kp = 1 << max(0, (topk - 1).bit_length())
-    chunk = None if rank_chunk is None else min(wp, rank_chunk)
-    if chunk is not None and chunk & (chunk - 1):
-        raise ValueError(f"rank_chunk must be a power of two: got {rank_chunk}")
-    default_rb = 2048 // wp if chunk is None else 8192 // (wp * chunk)
-    rb = rows_per_program or max(1, min(64, default_rb))
+    rb = rows_per_program or max(1, min(64, 2048 // wp))
     block_rows, lead = None, ()
     if blocks is not None:
         block_rows = S // blocks.num_blocks * G  # a query block's rows; a program's rows stay in one block
         rb = math.gcd(rb, block_rows)
         lead = (blocks.start_Q, blocks.length_Q)
     kernel = functools.partial(_topk_kernel, rb=rb, G=G, wp=wp, P=num_blocks, ps=block_size, topk=topk, kp=kp,
-                               local_blocks=local_blocks, init_blocks=init_blocks, chunk=chunk,
-                               block_rows=block_rows)
+                               local_blocks=local_blocks, init_blocks=init_blocks, block_rows=block_rows)
     out = pl.pallas_call(
         kernel,
         grid=(-(-(S * G) // rb),),
         out_shape=jax.ShapeDtypeStruct((T * G, kp), jnp.int32),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
-        name=f"msa_topk_rb{rb}" + ("" if chunk is None else f"_rank{chunk}") + ("" if blocks is None else "_qb"),
+        name=f"msa_topk_rb{rb}" + ("" if blocks is None else "_qb"),
     )(*lead, pos_T.astype(jnp.int32), scores_TGW.reshape(S * G, W))
     return out.reshape(T, G, kp)[..., :topk]
 

@@ -12,8 +12,9 @@ consecutive rows of iq viewed [T * G, hdi], so one TMA copy loads them (iq is pa
 that a block at the end never reads past it). Each step is one page: S = q k^T [64, page_size], masked by each
 row's own position on pages not every row sees whole, max-reduced per row into column j of a register tile as
 wide as a page's scores (so the maxima broadcast back in the scores' own layout). Its first `bp` columns go out
-through shared memory in one copy to the program's own rows of a block-major output [query blocks x rows, P'];
-XLA gathers each token's rows back (a warpgroup's rows past the block's end would be another program's tokens).
+through shared memory in one copy to the program's own rows of a block-major output [query blocks x rows, P']
+(a warpgroup's rows past the block's end would be another program's tokens); the Pallas top-k reads those rows
+as they are (`block_major_scores`), and `block_scores` gathers them back to tokens for any other reader.
 With the top-k fused (every page of a row in one program), each compute warpgroup selects from that register tile
 itself, rounds of a row max and the lowest column holding it, and only the block ids go out (32 int32 columns).
 The kernel runs under Mosaic GPU's Lane semantics: Warpgroup-semantics layout inference finds no layouts for it.

@@ -237,7 +237,7 @@ def topk_blocks(scores_TGW: jax.Array, pos_T: jax.Array, *, block_size: int, num
     whole index op 28-38 us faster than `lax.top_k` at batch-64 decode (8k-128k) and 106 us at an 8k prefill.
     `rows_per_program` (default: ~2048 scores in registers) and `num_warps`: benchmarks/bench_topk.py's sweep
     (neither matters on the H100; nor did counting every column's rank at once in place of the rounds, which
-    took 36-130 us against their 22 us: docs/benchmarks.md).
+    took 36-132 us against their 22 us on the H100: docs/benchmarks.md).
 
     `blocks`: the scores are query-block-major, as the Mosaic GPU scoring writes them ([Q * bt, G, W], slot
     q * bt + i holding token blocks.start_Q[q] + i for i < blocks.length_Q[q]), and are read so, with no gather

@@ -270,12 +270,13 @@ def paged_select_blocks(iq_TGD: jax.Array, ik_pages: jax.Array, page_table_RP: j
                         tiles: IndexTiles, interpret: bool = False) -> jax.Array:
     """Kernel version of `msa.reference.paged_select_blocks`: logical block ids [T, G, topk], -1 padded."""
     sel = {"topk": topk, "local_blocks": local_blocks, "init_blocks": init_blocks} if tiles.topk == "fused" else None
-    select = functools.partial(topk_blocks, block_size=ik_pages.shape[1], num_blocks=page_table_RP.shape[1],
-                               topk=topk, local_blocks=local_blocks, init_blocks=init_blocks, interpret=interpret)
+    pallas_topk = functools.partial(topk_blocks, block_size=ik_pages.shape[1], num_blocks=page_table_RP.shape[1],
+                                    topk=topk, local_blocks=local_blocks, init_blocks=init_blocks,
+                                    interpret=interpret)
     if tiles.backend == "mosaic" and tiles.topk == "pallas":  # the top-k reads the kernel's block-major rows
         scores, qbs = kernel_mgpu.block_major_scores(iq_TGD, ik_pages, page_table_RP, token_row_T, pos_T,
                                                      bp=tiles.bp, stages=tiles.num_stages, interpret=interpret)
-        return select(scores, pos_T, blocks=qbs)
+        return pallas_topk(scores, pos_T, blocks=qbs)
     if tiles.backend == "mosaic":
         scores = kernel_mgpu.block_scores(iq_TGD, ik_pages, page_table_RP, token_row_T, pos_T, bp=tiles.bp,
                                           stages=tiles.num_stages, select=sel, interpret=interpret)
@@ -286,7 +287,7 @@ def paged_select_blocks(iq_TGD: jax.Array, ik_pages: jax.Array, page_table_RP: j
     if sel is not None:
         return scores  # given `select`, either scoring kernel returned the selected ids instead
     if tiles.topk == "pallas":
-        return select(scores, pos_T)
+        return pallas_topk(scores, pos_T)
     return select_from_block_scores(scores, pos_T, block_size=ik_pages.shape[1], num_blocks=page_table_RP.shape[1],
                                     topk=topk, local_blocks=local_blocks, init_blocks=init_blocks)
 

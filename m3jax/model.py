@@ -79,13 +79,16 @@ class LayerPages:
 
 
 def msa_select(p: Params, cfg: M3Config, h_TD: jax.Array, batch: Batch, rope: tuple[jax.Array, ...],
-               index_k: jax.Array, kernels: KernelChoice, layer: jax.Array | int) -> tuple[jax.Array, jax.Array]:
-    """MSA index branch: write this step's index-K, then pick blocks per (KV group, query token): [T, K, N]."""
+               index_k: jax.Array, kernels: KernelChoice, layer: jax.Array | int,
+               projected: list[jax.Array] | None = None) -> tuple[jax.Array, jax.Array]:
+    """MSA index branch: write this step's index-K, then pick blocks per (KV group, query token): [T, K, N].
+    `projected`: h @ the index's wq and wk, when the caller ran them (with q, k and v, in one launch)."""
     impl, topo, inv = kernels.attention, kernels.topology, kernels.batch_invariant
-    iq = rms_norm(ops.project(h_TD, p["wq"], "index.wq", impl=impl, topology=topo, layer=layer, invariant=inv),
-                  p["q_norm"], cfg.rms_norm_eps, kernels)
-    ik = rms_norm(ops.project(h_TD, p["wk"], "index.wk", impl=impl, topology=topo, layer=layer,
-                              invariant=inv)[:, None, :], p["k_norm"], cfg.rms_norm_eps, kernels)
+    if projected is None:
+        projected = ops.project_many(h_TD, [(p["wq"], "index.wq"), (p["wk"], "index.wk")], impl=impl,
+                                     topology=topo, layer=layer, invariant=inv)
+    iq = rms_norm(projected[0], p["q_norm"], cfg.rms_norm_eps, kernels)
+    ik = rms_norm(projected[1][:, None, :], p["k_norm"], cfg.rms_norm_eps, kernels)
     iq, ik = apply_rope(iq, *rope), apply_rope(ik, *rope)
     index_k = ops.write_kv_pages(index_k, ik[:, 0], batch.slot_mapping, impl=impl, topology=topo)
     blocks = ops.paged_select_blocks(iq, index_k, batch.page_table, batch.token_row, batch.positions,
@@ -101,13 +104,15 @@ def attention(p: Params, cfg: M3Config, kind: str, h_TD: jax.Array, batch: Batch
     projection weights (p["attn"]["w*"], p["index"]["w*"]) are the run's whole stacks, read at `layer`."""
     a = p["attn"]
     impl, topo, inv = kernels.attention, kernels.topology, kernels.batch_invariant
-
-    def project(x: jax.Array, name: str) -> jax.Array:
-        return ops.project(x, a[name], f"attn.{name}", impl=impl, topology=topo, layer=layer, invariant=inv)
-
-    q = rms_norm(project(h_TD, "wq"), a["q_norm"], cfg.rms_norm_eps, kernels)
-    k = rms_norm(project(h_TD, "wk"), a["k_norm"], cfg.rms_norm_eps, kernels)
-    v = project(h_TD, "wv")
+    # Every projection of h, in one launch at decode sizes (ops.project_many): q, k, v, and the index branch's q
+    # and k when this layer selects its own blocks (a layer reusing another's selection never reads them).
+    selects = kind != "dense" and (reuse_blocks is None or recompute is True)
+    weights = [(a["wq"], "attn.wq"), (a["wk"], "attn.wk"), (a["wv"], "attn.wv")]
+    if selects:
+        weights += [(p["index"]["wq"], "index.wq"), (p["index"]["wk"], "index.wk")]
+    q, k, v, *index_qk = ops.project_many(h_TD, weights, impl=impl, topology=topo, layer=layer, invariant=inv)
+    q = rms_norm(q, a["q_norm"], cfg.rms_norm_eps, kernels)
+    k = rms_norm(k, a["k_norm"], cfg.rms_norm_eps, kernels)
     q, k = apply_rope(q, *rope), apply_rope(k, *rope)  # norm before RoPE; V gets neither
     k_pages = ops.write_kv_pages(pages.k, k, batch.slot_mapping, impl=impl, topology=topo)
     v_pages = ops.write_kv_pages(pages.v, v, batch.slot_mapping, impl=impl, topology=topo)
@@ -119,7 +124,7 @@ def attention(p: Params, cfg: M3Config, kind: str, h_TD: jax.Array, batch: Batch
                                       impl=impl, topology=topo, invariant=inv)
     else:
         def select() -> tuple[jax.Array, jax.Array]:
-            return msa_select(p["index"], cfg, h_TD, batch, rope, index_k, kernels, layer)
+            return msa_select(p["index"], cfg, h_TD, batch, rope, index_k, kernels, layer, index_qk or None)
 
         # Cross-layer top-k reuse (opt-in): a reusing layer's index-K is never read, so it is not written.
         if reuse_blocks is None or recompute is True:
@@ -131,7 +136,8 @@ def attention(p: Params, cfg: M3Config, kind: str, h_TD: jax.Array, batch: Batch
         o = ops.paged_block_sparse_attention(q, k_pages, v_pages, batch.page_table, batch.token_row,
                                              batch.positions, blocks, scale=scale, impl=impl, topology=topo,
                                              invariant=inv, union=kernels.sparse_prefill == "union")
-    return project(o, "wo"), LayerPages(k_pages, v_pages, index_k), blocks
+    out = ops.project(o, a["wo"], "attn.wo", impl=impl, topology=topo, layer=layer, invariant=inv)
+    return out, LayerPages(k_pages, v_pages, index_k), blocks
 
 
 # ---- MLPs --------------------------------------------------------------------------------------------------

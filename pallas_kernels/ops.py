@@ -9,6 +9,7 @@ on one device (the default) the dispatch is called directly."""
 from __future__ import annotations
 
 import contextlib
+import math
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +22,7 @@ from pallas_kernels.moe import dispatch as _moe
 from pallas_kernels.topology import SINGLE, Topology
 
 __all__ = ["paged_dense_attention", "paged_select_blocks", "paged_block_sparse_attention", "write_kv_pages", "moe",
-           "dense_mlp", "project", "rms_norm_mean_square", "step_query_blocks", "PROJECTION_AXES"]
+           "dense_mlp", "project", "project_many", "rms_norm_mean_square", "step_query_blocks", "PROJECTION_AXES"]
 
 # Logical axes of the projection weights the model runs through `project` (as declared in m3jax/params.py;
 # tests/test_sharding.py holds the two to each other): the sharded kernel path places them by the rules table.
@@ -58,6 +59,35 @@ def project(x: jax.Array, w: jax.Array, name: str, *, impl: str, topology: Topol
     if topology.sharded:
         return sharded.project(x, w, axes, impl=impl, topology=topology, layer=layer, invariant=invariant)
     return sharded.project_local(x, w, impl=impl, layer=layer, invariant=invariant)
+
+
+def project_many(x: jax.Array, weights: list[tuple[jax.Array, str]], *, impl: str, topology: Topology = SINGLE,
+                 layer: jax.Array | int | None = None, invariant: bool = False) -> list[jax.Array]:
+    """`project` of several (w, name) pairs on one x: a layer's q, k and v (and its index branch's q and k), all
+    from the same normed input. Where the small-M kernel takes each of them and one tile set fits their shards'
+    shapes, they run as one launch whose grid covers every weight's columns: at decode sizes k, v and the index
+    weights (512 or 128 columns, a few MB) are too small to fill the GPU alone, and each would pay a launch and a
+    tail of its own. Otherwise each runs as `project` would run it."""
+    n_in, m = x.ndim - 1, x.shape[0]
+    ks, ns = [], []
+    for w, name in weights:
+        shape = w.shape if layer is None else w.shape[1:]
+        local = sharded.local_shape(shape, PROJECTION_AXES[name], topology) if topology.sharded else shape
+        ks.append(math.prod(local[:n_in]))
+        ns.append(math.prod(local[n_in:]))
+    k = ks[0]
+    one_launch = (len(weights) > 1 and ks.count(k) == len(ks)
+                  and len({PROJECTION_AXES[name][:n_in] for _, name in weights}) == 1  # one x shard for all
+                  and all(_linear.uses_kernel(m, k, n, impl, invariant) for n in ns)
+                  and _linear.tiles_for_many(m, k, ns, impl, invariant) is not None)
+    if not one_launch:
+        return [project(x, w, name, impl=impl, topology=topology, layer=layer, invariant=invariant)
+                for w, name in weights]
+    ws = [w for w, _ in weights]
+    if topology.sharded:
+        return sharded.project_many(x, ws, [PROJECTION_AXES[name] for _, name in weights], impl=impl,
+                                    topology=topology, layer=layer, invariant=invariant)
+    return sharded.project_local_many(x, ws, impl=impl, layer=layer, invariant=invariant)
 
 
 def rms_norm_mean_square(x: jax.Array, *, impl: str, topology: Topology = SINGLE) -> jax.Array:

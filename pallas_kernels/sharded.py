@@ -17,6 +17,7 @@ kv_heads, topk); the index-K pool and everything of the batch: replicated. MoE: 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -185,32 +186,50 @@ def project(x: jax.Array, w: jax.Array, w_axes: tuple[str, ...], *, impl: str, t
     row-parallel when a contracted one is (x split like it, partial outputs summed), whole when neither is.
     Only called where `linear.dispatch.uses_kernel` holds for the shard's shapes; XLA's GEMMs partition
     themselves. `layer`: w is a scan's stack [layers, *in, *out], read at that layer (its layer axis unsplit)."""
+    return project_many(x, [w], [w_axes], impl=impl, topology=topology, layer=layer, invariant=invariant)[0]
+
+
+def project_many(x: jax.Array, ws: list[jax.Array], ws_axes: list[tuple[str, ...]], *, impl: str,
+                 topology: Topology, layer: jax.Array | int | None = None, invariant: bool = False
+                 ) -> list[jax.Array]:
+    """`project` of several weights whose contracted axes split alike (so one x shard serves them all), in one
+    shard_map and one launch of the kernel per device (`project_local_many`)."""
     n_in = x.ndim - 1
     stacked = layer is not None
-    shape = w.shape[1:] if stacked else w.shape
-    w_spec = tuple(topology.spec_for(shape, w_axes)) + (None,) * len(shape)
-    x_spec, out_spec = P(None, *w_spec[:n_in]), P(None, *w_spec[n_in:len(shape)])
-    summed = any(a is not None for a in w_spec[:n_in])
+    shapes = [w.shape[1:] if stacked else w.shape for w in ws]
+    specs = [tuple(topology.spec_for(shape, axes)) + (None,) * len(shape)
+             for shape, axes in zip(shapes, ws_axes, strict=True)]
+    if len({spec[:n_in] for spec in specs}) != 1:
+        raise ValueError(f"project_many: the weights' contracted axes split differently: {ws_axes}")
+    x_spec = P(None, *specs[0][:n_in])
+    out_specs = [P(None, *spec[n_in:len(shape)]) for spec, shape in zip(specs, shapes, strict=True)]
+    summed = any(a is not None for a in specs[0][:n_in])
 
-    def local(xl, wl, ll):
-        y = project_local(xl, wl, impl=impl, layer=ll if stacked else None, invariant=invariant)
-        return jax.lax.psum(y, topology.axis) if summed else y
+    def local(xl, ll, *wls):
+        ys = project_local_many(xl, list(wls), impl=impl, layer=ll if stacked else None, invariant=invariant)
+        return [jax.lax.psum(y, topology.axis) for y in ys] if summed else ys
 
-    wl_spec = P(None, *w_spec[:len(shape)]) if stacked else P(*w_spec[:len(shape)])
-    return _smap(topology, local, (x_spec, wl_spec, P()), out_spec)(x, w, _layer_arg(layer))
+    w_specs = [P(None, *spec[:len(shape)]) if stacked else P(*spec[:len(shape)])
+               for spec, shape in zip(specs, shapes, strict=True)]
+    return _smap(topology, local, (x_spec, P(), *w_specs), out_specs)(x, _layer_arg(layer), *ws)
 
 
 def project_local(x: jax.Array, w: jax.Array, *, impl: str, layer: jax.Array | int | None = None,
                   invariant: bool = False) -> jax.Array:
+    return project_local_many(x, [w], impl=impl, layer=layer, invariant=invariant)[0]
+
+
+def project_local_many(x: jax.Array, ws: list[jax.Array], *, impl: str, layer: jax.Array | int | None = None,
+                       invariant: bool = False) -> list[jax.Array]:
+    """On one device: x [T, *in] @ each w [*in, *out_i] as 2-D GEMMs, in one kernel launch where one tile set fits
+    them all (`linear.dispatch.linear_many`)."""
     n_in = x.ndim - 1
     stacked = layer is not None
-    shape = w.shape[1:] if stacked else w.shape
-    k = 1
-    for d in shape[:n_in]:
-        k *= d
-    w2 = w.reshape(w.shape[0], k, -1) if stacked else w.reshape(k, -1)
-    y = lin.linear(x.reshape(x.shape[0], k), w2, impl=impl, layer=layer, invariant=invariant)
-    return y.reshape(x.shape[0], *shape[n_in:])
+    shapes = [w.shape[1:] if stacked else w.shape for w in ws]
+    k = math.prod(shapes[0][:n_in])
+    w2s = [w.reshape(w.shape[0], k, -1) if stacked else w.reshape(k, -1) for w in ws]
+    ys = lin.linear_many(x.reshape(x.shape[0], k), w2s, impl=impl, layer=layer, invariant=invariant)
+    return [y.reshape(x.shape[0], *shape[n_in:]) for y, shape in zip(ys, shapes, strict=True)]
 
 
 def _layer_arg(layer: jax.Array | int | None) -> jax.Array:

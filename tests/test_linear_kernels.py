@@ -1,6 +1,6 @@
 """The small-M linear kernel (interpret mode) against its jnp reference, its tile table and dispatch, the
-projections through `ops.project` (one device and sharded: column- and row-parallel), and its GPU lowering at
-M3's per-shard projection shapes."""
+projections through `ops.project` (one device and sharded: column- and row-parallel) and several at once through
+`ops.project_many`, and its GPU lowering at M3's per-shard projection shapes."""
 
 from __future__ import annotations
 
@@ -93,6 +93,60 @@ def test_project_sharded_column_and_row_parallel():
     np.testing.assert_allclose(got, ops.dense_mlp(x, g, u, d, alpha=1.702, limit=7.0), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("split", [1, 2])
+def test_weights_in_one_launch_equal_each_alone(split):
+    """linear_many: every weight's columns in one grid, each output bitwise the single-weight kernel's at the
+    same tiles (the same K order), an N no tile divides padded, a stacked weight read at its layer."""
+    x = _normal(1, 3, 256)
+    ws = [_normal(2, 256, 128), _normal(3, 256, 64), _normal(4, 256, 40)]
+    tiles = LinearTiles(bm=16, bn=32, bk=64, split=split)
+    for got, w in zip(kernel.linear_many(x, ws, tiles=tiles, interpret=True), ws, strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(kernel.linear(x, w, tiles=tiles, interpret=True)))
+        np.testing.assert_allclose(np.asarray(got), np.asarray(reference.linear(x, w)), rtol=1e-5, atol=1e-4)
+    stacks = [jnp.stack([w, 2 * w]) for w in ws]
+    for got, w in zip(kernel.linear_many(x, stacks, tiles=tiles, interpret=True, layer=jnp.int32(1)), ws, strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(reference.linear(x, 2 * w)), rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match="does not fit"):
+        kernel.linear_many(x, [ws[0], _normal(5, 128, 64)], tiles=tiles, interpret=True)
+
+
+def test_project_many_is_one_launch_where_one_tile_set_fits():
+    """ops.project_many, as the attention layer calls it (q, k, v, index q, index k of one input): one kernel
+    launch on one device and in one shard_map per device under TP4 (q's heads split, the 2 KV heads and the
+    index's key replicated), equal to the einsums; a launch per weight where no tile set fits them all, and XLA
+    above the small-M rows."""
+    x = _normal(1, 6, 64)
+    wq, wk, wv, iwq, iwk = _normal(2, 64, 8, 16), _normal(3, 64, 2, 16), _normal(4, 64, 2, 16), \
+        _normal(5, 64, 2, 16), _normal(6, 64, 16)
+    weights = [(wq, "attn.wq"), (wk, "attn.wk"), (wv, "attn.wv"), (iwq, "index.wq"), (iwk, "index.wk")]
+    eqs = ["td,dhk->thk"] * 4 + ["td,dk->tk"]
+
+    def check(fn, a, launches):
+        ws = [w for w, _ in weights]
+        assert str(jax.make_jaxpr(fn)(a, *ws)).count("pallas_call") == launches
+        for got, w, eq in zip(fn(a, *ws), ws, eqs, strict=True):
+            np.testing.assert_allclose(got, jnp.einsum(eq, a, w), rtol=1e-5, atol=1e-4)
+
+    def many(**kw):
+        return jax.jit(lambda a, *ws: ops.project_many(a, [(w, n) for w, (_, n) in zip(ws, weights, strict=True)],
+                                                       impl="interpret", **kw))
+
+    check(many(), x, 1)
+    check(many(), _normal(7, MAX_M + 1, 64), 0)
+    if len(jax.devices()) >= 4:
+        rules = make_rules(4)
+        x = jax.device_put(x, rules.replicated())
+        weights = [(jax.device_put(w, rules.replicated()), n) for w, n in weights]
+        fn = many(topology=rules.topology)
+        assert "shard_map" in str(jax.make_jaxpr(fn)(x, *[w for w, _ in weights]))
+        check(fn, x, 1)
+    # A weight the kernel does not take (8 columns: no tile divides them): each as `project` runs it.
+    narrow = _normal(8, 64, 8)
+    fn = jax.jit(lambda a: ops.project_many(a, [(wq, "attn.wq"), (narrow, "index.wk")], impl="interpret"))
+    assert str(jax.make_jaxpr(fn)(x)).count("pallas_call") == 1
+    np.testing.assert_allclose(fn(x)[1], x @ narrow, rtol=1e-5, atol=1e-4)
+
+
 def test_stacked_weights_read_in_place():
     """A layer scan hands the ops its whole weight stack and the layer (model.IN_PLACE): the kernel reads that
     layer's rows, equal to the sliced weight, with the layer traced (one executable for every layer), on one
@@ -155,3 +209,11 @@ def test_m3_shard_projections_lower_for_the_gpu(tp):
             text = lower_for_gpu(lambda x, w, t=t: kernel.linear(x, w, tiles=t),
                                  jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((k, n), jnp.bfloat16))
             assert count_triton_kernels(text) == 1
+        # The layer's projections of h in one launch, as ops.project_many runs them.
+        ns = [shapes[0][1], shapes[1][1], shapes[1][1], shapes[5][1], shapes[6][1]]
+        t = dispatch.tiles_for_many(m, D, ns, "pallas")
+        assert t is not None, (m, ns)
+        text = lower_for_gpu(lambda x, *ws, t=t: kernel.linear_many(x, list(ws), tiles=t),
+                             jax.ShapeDtypeStruct((m, D), jnp.bfloat16),
+                             *[jax.ShapeDtypeStruct((D, n), jnp.bfloat16) for n in ns])
+        assert count_triton_kernels(text) == 1

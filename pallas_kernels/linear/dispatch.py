@@ -29,6 +29,13 @@ def uses_kernel(m: int, k: int, n: int, impl: str, invariant: bool = False) -> b
     return tiles_for(m, k, n, impl, invariant) is not None
 
 
+def tiles_for_many(m: int, k: int, ns: list[int], impl: str, invariant: bool = False) -> LinearTiles | None:
+    """One tile set for several weights of one K in one launch (`linear_many`): the tiles of their columns side by
+    side, if its output tile divides every weight's N; else None (each weight on its own)."""
+    tiles = tiles_for(m, k, sum(ns), impl, invariant)
+    return None if tiles is None or any(n % tiles.bn for n in ns) else tiles
+
+
 # Columns of the all-ones matrix `mean_square` multiplies by (the narrowest output tile; column 0 is used).
 _SUM_COLUMNS = 16
 
@@ -85,3 +92,12 @@ def linear(x_MK: jax.Array, w_KN: jax.Array, *, impl: str, layer: jax.Array | in
     if tiles is None:
         return reference.linear(x_MK, w_KN if layer is None else w_KN[layer])
     return kernel.linear(x_MK, w_KN, tiles=tiles, interpret=impl == "interpret", layer=layer)
+
+
+def linear_many(x_MK: jax.Array, ws_KN: list[jax.Array], *, impl: str, layer: jax.Array | int | None = None,
+                invariant: bool = False) -> list[jax.Array]:
+    """[x @ w for w in ws_KN]: one launch of the kernel where `tiles_for_many` gives tiles, else each as `linear`."""
+    tiles = tiles_for_many(x_MK.shape[0], x_MK.shape[1], [w.shape[-1] for w in ws_KN], impl, invariant)
+    if tiles is None:
+        return [linear(x_MK, w, impl=impl, layer=layer, invariant=invariant) for w in ws_KN]
+    return kernel.linear_many(x_MK, ws_KN, tiles=tiles, interpret=impl == "interpret", layer=layer)

@@ -344,6 +344,49 @@ def linear_records(shard: Shard, ms: list[int], impl: str, reps: int) -> list[di
             if tiles is not None:
                 rec.update(tiles=dataclasses.asdict(tiles), speedup=rec["xla_s"] / rec["pallas_s"])
             out.append(rec)
+    out += projections_of_h(shard, shapes, ms, impl, copies, samples)
+    return out
+
+
+def projections_of_h(shard: Shard, shapes: dict, ms: list[int], impl: str, copies: int, samples: int) -> list[dict]:
+    """An MSA layer's projections of its normed input, q, k, v and the index's q and k, as the model runs them
+    (`ops.project_many`): one launch of the kernel over all their columns ("one_launch"), against a launch per
+    weight ("pallas", the model before) and XLA's five GEMMs ("xla"); op "linear_many"."""
+    from benchmarks.timing import device_profile, in_graph_time
+    from pallas_kernels.linear import kernel, reference
+    from pallas_kernels.linear.dispatch import tiles_for_many
+    from pallas_kernels.linear.tiles import pick_tiles
+
+    D = shard.cfg.hidden_size
+    ns = [shapes["attn.wq"][1], shapes["attn.wk"][1], shapes["attn.wk"][1], shapes["index.wq"][1],
+          shard.cfg.index_head_dim]
+    floor_s = 2 * D * sum(ns) / HBM_BYTES_PER_S
+    ws = [tuple(jax.random.normal(jax.random.key(17 * c + i), (D, n), jnp.bfloat16) for i, n in enumerate(ns))
+          for c in range(copies)]
+    interpret = impl == "interpret"
+    out = []
+    for m in ms:
+        x = jax.random.normal(jax.random.key(m), (m, D), jnp.bfloat16)
+        args = [(x, *w) for w in ws]
+        many = tiles_for_many(m, D, ns, impl)
+        if many is None or any(pick_tiles(m, D, n) is None for n in ns):
+            continue
+        impls = {
+            "xla": lambda x, *w: [reference.linear(x, wi) for wi in w],
+            "pallas": lambda x, *w, m=m: [kernel.linear(x, wi, tiles=pick_tiles(m, D, wi.shape[1]),
+                                                        interpret=interpret) for wi in w],
+            "one_launch": lambda x, *w, t=many: kernel.linear_many(x, list(w), tiles=t, interpret=interpret),
+        }
+        rec = {"op": "linear_many", "deployment": shard.name, "tp": shard.tp, "ep": shard.ep,
+               "weights": ["attn.wq", "attn.wk", "attn.wv", "index.wq", "index.wk"], "m": m, "k": D, "ns": ns,
+               "floor_s": floor_s, "copies": copies, "tiles": dataclasses.asdict(many)}
+        for which, fn in impls.items():
+            s_ = in_graph_time(fn, args, samples=samples)
+            busy = device_profile(jax.jit(fn), args, calls=copies).get("device_busy_s")
+            rec.update({f"{which}_s": s_, f"{which}_hbm_fraction": floor_s / s_, f"{which}_busy_s": busy,
+                        f"{which}_busy_hbm_fraction": None if not busy else floor_s / busy})
+        rec["speedup_vs_pallas"] = rec["pallas_s"] / rec["one_launch_s"]
+        out.append(rec)
     return out
 
 
@@ -438,7 +481,8 @@ def smoke_config() -> Any:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, interpret-mode kernels: runs on the CPU")
-    ap.add_argument("--deployments", nargs="+", default=list(DEPLOYMENTS), choices=list(DEPLOYMENTS))
+    ap.add_argument("--deployments", nargs="*", default=list(DEPLOYMENTS), choices=list(DEPLOYMENTS),
+                    help="none: only the linear records (--linear-tp, --linear-m)")
     ap.add_argument("--formats", nargs="+", default=["bf16", "mxfp8"], choices=list(EXPERT_BYTES))
     ap.add_argument("--workloads", nargs="+", default=["1024/1024", "8192/1024"], help="isl/osl pairs")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[32, 64, 128])

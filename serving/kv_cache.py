@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -26,8 +27,8 @@ from m3jax.batch import SINK_PAGE
 PageHash = bytes
 
 
-def page_hash(previous: PageHash | None, token_ids: list[int]) -> PageHash:
-    """The name of a full page: its tokens chained to the name of the page before it."""
+def page_hash(previous: PageHash | None, token_ids: Sequence[int] | np.ndarray) -> PageHash:
+    """The name of a full page: its tokens (as int64) chained to the name of the page before it."""
     h = hashlib.sha256(previous or b"")
     h.update(np.asarray(token_ids, np.int64).tobytes())
     return h.digest()

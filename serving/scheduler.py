@@ -229,10 +229,14 @@ class Scheduler:
 
     def _page_hashes(self, req: Request, num_pages: int) -> list[bytes]:
         """The names of the request's first `num_pages` full pages (all of known tokens), computed once."""
-        ps = self.config.page_size
-        while len(req.page_hashes) < num_pages:
-            i = len(req.page_hashes)
-            req.page_hashes.append(page_hash(req.page_hashes[-1] if i else None, req.token_ids(i * ps, (i + 1) * ps)))
+        ps, done = self.config.page_size, len(req.page_hashes)
+        if done < num_pages:
+            # One array of the new pages' tokens, sliced per page: a 1k-token prompt's 64 pages are hashed on the
+            # way to its first token, so no list slicing and conversion per page.
+            tokens = np.asarray(req.token_ids(done * ps, num_pages * ps), np.int64)
+            for i in range(num_pages - done):
+                req.page_hashes.append(page_hash(req.page_hashes[-1] if req.page_hashes else None,
+                                                 tokens[i * ps:(i + 1) * ps]))
         return req.page_hashes[:num_pages]
 
     def _name_pages(self, req: Request) -> None:

@@ -45,20 +45,7 @@ def project(x: jax.Array, w: jax.Array, name: str, *, impl: str, topology: Topol
     `layer`: w is a layer scan's whole stack [layers, *in, *out] and this is layer `layer` (the kernel reads it in
     place: a scan-sliced kernel operand is copied every iteration). `invariant`: the batch-invariant kernel tiles
     at every T (KernelChoice.batch_invariant)."""
-    axes = PROJECTION_AXES[name]
-    n_in = x.ndim - 1
-    shape = w.shape if layer is None else w.shape[1:]
-    local_w = sharded.local_shape(shape, axes, topology) if topology.sharded else shape
-    k = n = 1
-    for d in local_w[:n_in]:
-        k *= d
-    for d in local_w[n_in:]:
-        n *= d
-    if not _linear.uses_kernel(x.shape[0], k, n, impl, invariant):
-        return jnp.tensordot(x, w if layer is None else w[layer], axes=n_in)
-    if topology.sharded:
-        return sharded.project(x, w, axes, impl=impl, topology=topology, layer=layer, invariant=invariant)
-    return sharded.project_local(x, w, impl=impl, layer=layer, invariant=invariant)
+    return project_many(x, [(w, name)], impl=impl, topology=topology, layer=layer, invariant=invariant)[0]
 
 
 def project_many(x: jax.Array, weights: list[tuple[jax.Array, str]], *, impl: str, topology: Topology = SINGLE,
@@ -67,7 +54,7 @@ def project_many(x: jax.Array, weights: list[tuple[jax.Array, str]], *, impl: st
     from the same normed input. Where the small-M kernel takes each of them and one tile set fits their shards'
     shapes, they run as one launch whose grid covers every weight's columns: at decode sizes k, v and the index
     weights (512 or 128 columns, a few MB) are too small to fill the GPU alone, and each would pay a launch and a
-    tail of its own. Otherwise each runs as `project` would run it."""
+    tail of its own. Otherwise each runs on its own, as `project` runs it."""
     n_in, m = x.ndim - 1, x.shape[0]
     ks, ns = [], []
     for w, name in weights:
@@ -76,13 +63,16 @@ def project_many(x: jax.Array, weights: list[tuple[jax.Array, str]], *, impl: st
         ks.append(math.prod(local[:n_in]))
         ns.append(math.prod(local[n_in:]))
     k = ks[0]
-    one_launch = (len(weights) > 1 and ks.count(k) == len(ks)
+    one_launch = (ks.count(k) == len(ks)
                   and len({PROJECTION_AXES[name][:n_in] for _, name in weights}) == 1  # one x shard for all
                   and all(_linear.uses_kernel(m, k, n, impl, invariant) for n in ns)
                   and _linear.tiles_for_many(m, k, ns, impl, invariant) is not None)
     if not one_launch:
-        return [project(x, w, name, impl=impl, topology=topology, layer=layer, invariant=invariant)
-                for w, name in weights]
+        if len(weights) > 1:
+            return [project(x, w, name, impl=impl, topology=topology, layer=layer, invariant=invariant)
+                    for w, name in weights]
+        w = weights[0][0]
+        return [jnp.tensordot(x, w if layer is None else w[layer], axes=n_in)]
     ws = [w for w, _ in weights]
     if topology.sharded:
         return sharded.project_many(x, ws, [PROJECTION_AXES[name] for _, name in weights], impl=impl,

@@ -37,7 +37,8 @@ from pallas_kernels.moe.tiles import invariant_tiles
 from pallas_kernels.topology import Topology
 
 __all__ = ["paged_dense_attention", "paged_select_blocks", "paged_block_sparse_attention", "write_kv_pages", "moe",
-           "expert_axes", "expert_spec", "moe_specs", "project", "dense_mlp", "moe_ep_device", "local_shape"]
+           "expert_axes", "expert_spec", "moe_specs", "project_many", "project_local_many", "dense_mlp",
+           "moe_ep_device", "local_shape"]
 
 _Q = ("tokens", "q_heads", "head_dim")
 _POOL = ("pages", "page_slots", "kv_heads", "head_dim")
@@ -179,21 +180,16 @@ def write_kv_pages(pages: jax.Array, new_T: jax.Array, slot_T: jax.Array, *, imp
 # ---- dense linears (the small-M kernel) ---------------------------------------------------------------------
 
 
-def project(x: jax.Array, w: jax.Array, w_axes: tuple[str, ...], *, impl: str, topology: Topology,
-            layer: jax.Array | int | None = None, invariant: bool = False) -> jax.Array:
-    """x [T, *in] @ w [*in, *out] (w's first x.ndim - 1 axes contracted) through the small-M linear kernel on each
-    device's shard of w: column-parallel when an output axis is split (x whole, the output split like it),
-    row-parallel when a contracted one is (x split like it, partial outputs summed), whole when neither is.
-    Only called where `linear.dispatch.uses_kernel` holds for the shard's shapes; XLA's GEMMs partition
-    themselves. `layer`: w is a scan's stack [layers, *in, *out], read at that layer (its layer axis unsplit)."""
-    return project_many(x, [w], [w_axes], impl=impl, topology=topology, layer=layer, invariant=invariant)[0]
-
-
 def project_many(x: jax.Array, ws: list[jax.Array], ws_axes: list[tuple[str, ...]], *, impl: str,
                  topology: Topology, layer: jax.Array | int | None = None, invariant: bool = False
                  ) -> list[jax.Array]:
-    """`project` of several weights whose contracted axes split alike (so one x shard serves them all), in one
-    shard_map and one launch of the kernel per device (`project_local_many`)."""
+    """x [T, *in] @ each w [*in, *out] (w's first x.ndim - 1 axes contracted) through the small-M linear kernel on
+    each device's shard of the weights, one launch per device for all of them (`project_local_many`):
+    column-parallel when an output axis is split (x whole, the output split like it), row-parallel when a
+    contracted one is (x split like it, partial outputs summed), whole when neither is. The weights' contracted
+    axes must split alike, so that one x shard serves them all. Only called where the kernel takes the shards'
+    shapes (`ops.project_many`); XLA's GEMMs partition themselves. `layer`: the weights are a scan's stacks
+    [layers, *in, *out], read at that layer (the layer axis unsplit)."""
     n_in = x.ndim - 1
     stacked = layer is not None
     shapes = [w.shape[1:] if stacked else w.shape for w in ws]
@@ -212,11 +208,6 @@ def project_many(x: jax.Array, ws: list[jax.Array], ws_axes: list[tuple[str, ...
     w_specs = [P(None, *spec[:len(shape)]) if stacked else P(*spec[:len(shape)])
                for spec, shape in zip(specs, shapes, strict=True)]
     return _smap(topology, local, (x_spec, P(), *w_specs), out_specs)(x, _layer_arg(layer), *ws)
-
-
-def project_local(x: jax.Array, w: jax.Array, *, impl: str, layer: jax.Array | int | None = None,
-                  invariant: bool = False) -> jax.Array:
-    return project_local_many(x, [w], impl=impl, layer=layer, invariant=invariant)[0]
 
 
 def project_local_many(x: jax.Array, ws: list[jax.Array], *, impl: str, layer: jax.Array | int | None = None,

@@ -31,9 +31,10 @@ def uses_kernel(m: int, k: int, n: int, impl: str, invariant: bool = False) -> b
 
 def tiles_for_many(m: int, k: int, ns: list[int], impl: str, invariant: bool = False) -> LinearTiles | None:
     """One tile set for several weights of one K in one launch (`linear_many`): the tiles of their columns side by
-    side, if its output tile divides every weight's N; else None (each weight on its own)."""
+    side, if its output tile divides every weight's N; else None (each weight on its own: the kernel would pad a
+    weight no tile divides, a copy of it every call). One weight: `tiles_for`."""
     tiles = tiles_for(m, k, sum(ns), impl, invariant)
-    return None if tiles is None or any(n % tiles.bn for n in ns) else tiles
+    return None if tiles is None or (len(ns) > 1 and any(n % tiles.bn for n in ns)) else tiles
 
 
 # Columns of the all-ones matrix `mean_square` multiplies by (the narrowest output tile; column 0 is used).

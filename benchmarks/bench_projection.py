@@ -302,7 +302,7 @@ def linear_records(shard: Shard, ms: list[int], impl: str, reps: int) -> list[di
     """Each projection at the shard's shape: the small-M Pallas kernel against XLA's GEMM, each timed as it runs
     in the step: `IN_GRAPH_COPIES` calls on distinct weights in one jitted program (so the weights stream from
     HBM, not L2, and no host dispatch per call counts), and kernel-busy time from the GPU's trace beside it."""
-    from benchmarks.timing import IN_GRAPH_COPIES, device_profile, in_graph_time
+    from benchmarks.timing import IN_GRAPH_COPIES
     from pallas_kernels.linear import kernel, reference
     from pallas_kernels.linear.tiles import pick_tiles
     from pallas_kernels.sharded import local_shape
@@ -335,12 +335,7 @@ def linear_records(shard: Shard, ms: list[int], impl: str, reps: int) -> list[di
                                    kernel.linear(x, w, tiles=tiles, interpret=impl == "interpret"))
             rec = {"op": "linear", "deployment": shard.name, "tp": shard.tp, "ep": shard.ep, "weight": name,
                    "m": m, "k": k, "n": n, "floor_s": floor_s, "copies": copies}
-            for which, fn in impls.items():
-                s_ = in_graph_time(fn, args, samples=samples)
-                prof = device_profile(jax.jit(fn), args, calls=copies)
-                busy = prof.get("device_busy_s")
-                rec.update({f"{which}_s": s_, f"{which}_hbm_fraction": floor_s / s_, f"{which}_busy_s": busy,
-                            f"{which}_busy_hbm_fraction": None if not busy else floor_s / busy})
+            time_impls(rec, impls, args, samples)
             if tiles is not None:
                 rec.update(tiles=dataclasses.asdict(tiles), speedup=rec["xla_s"] / rec["pallas_s"])
             out.append(rec)
@@ -348,11 +343,23 @@ def linear_records(shard: Shard, ms: list[int], impl: str, reps: int) -> list[di
     return out
 
 
+def time_impls(rec: dict, impls: dict, args: list[tuple], samples: int) -> None:
+    """Each implementation's in-graph time and kernel-busy time over `args` (one tuple per copy), and both as
+    fractions of the record's HBM floor, into `rec` as `<impl>_s`, `<impl>_busy_s` and their `_hbm_fraction`."""
+    from benchmarks.timing import device_profile, in_graph_time
+
+    floor_s = rec["floor_s"]
+    for which, fn in impls.items():
+        s_ = in_graph_time(fn, args, samples=samples)
+        busy = device_profile(jax.jit(fn), args, calls=len(args)).get("device_busy_s")
+        rec.update({f"{which}_s": s_, f"{which}_hbm_fraction": floor_s / s_, f"{which}_busy_s": busy,
+                    f"{which}_busy_hbm_fraction": None if not busy else floor_s / busy})
+
+
 def projections_of_h(shard: Shard, shapes: dict, ms: list[int], impl: str, copies: int, samples: int) -> list[dict]:
     """An MSA layer's projections of its normed input, q, k, v and the index's q and k, as the model runs them
     (`ops.project_many`): one launch of the kernel over all their columns ("one_launch"), against a launch per
     weight ("pallas", the model before) and XLA's five GEMMs ("xla"); op "linear_many"."""
-    from benchmarks.timing import device_profile, in_graph_time
     from pallas_kernels.linear import kernel, reference
     from pallas_kernels.linear.dispatch import tiles_for_many
     from pallas_kernels.linear.tiles import pick_tiles
@@ -380,11 +387,7 @@ def projections_of_h(shard: Shard, shapes: dict, ms: list[int], impl: str, copie
         rec = {"op": "linear_many", "deployment": shard.name, "tp": shard.tp, "ep": shard.ep,
                "weights": ["attn.wq", "attn.wk", "attn.wv", "index.wq", "index.wk"], "m": m, "k": D, "ns": ns,
                "floor_s": floor_s, "copies": copies, "tiles": dataclasses.asdict(many)}
-        for which, fn in impls.items():
-            s_ = in_graph_time(fn, args, samples=samples)
-            busy = device_profile(jax.jit(fn), args, calls=copies).get("device_busy_s")
-            rec.update({f"{which}_s": s_, f"{which}_hbm_fraction": floor_s / s_, f"{which}_busy_s": busy,
-                        f"{which}_busy_hbm_fraction": None if not busy else floor_s / busy})
+        time_impls(rec, impls, args, samples)
         rec["speedup_vs_pallas"] = rec["pallas_s"] / rec["one_launch_s"]
         out.append(rec)
     return out

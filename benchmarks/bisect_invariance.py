@@ -178,7 +178,17 @@ def last_layer_pieces(params, kv, batch, x_TD, *, cfg, kernels) -> dict[str, jax
     attn / mlp: the two halves' outputs; sparse layers: index queries, block scores, selected blocks; MoE
     layers on the kernels: normed input, router logits, expert ids and weights, each (token, choice) row of
     the down GEMM's output, and the combine."""
-    from m3jax.model import LayerPages, apply_rope, attention, mlp, rms_norm, rope_tables, split_in_place, with_in_place
+    from m3jax.model import (
+        LayerPages,
+        apply_rope,
+        attention,
+        mlp,
+        projections_of_h,
+        rms_norm,
+        rope_tables,
+        split_in_place,
+        with_in_place,
+    )
     from pallas_kernels import ops
     from pallas_kernels.attention import tuning
     from pallas_kernels.attention.ragged import query_blocks
@@ -205,8 +215,9 @@ def last_layer_pieces(params, kv, batch, x_TD, *, cfg, kernels) -> dict[str, jax
     impl, inv = kernels.attention, kernels.batch_invariant
     if run.attn == "sparse" and impl != "reference":
         ix = lp["index"]
-        iq = rms_norm(ops.project(h_TD, ix["wq"], "index.wq", impl=impl, layer=j, invariant=inv), ix["q_norm"],
-                      cfg.rms_norm_eps, kernels)
+        # The index's q as the layer computes it: the fourth output of its one launch for every projection of h.
+        iq = rms_norm(ops.project_many(h_TD, projections_of_h(lp, True), impl=impl, layer=j, invariant=inv)[3],
+                      ix["q_norm"], cfg.rms_norm_eps, kernels)
         iq = apply_rope(iq, *rope)
         R, P = b.page_table.shape
         tiles = tuning.index_tiles(b.num_tokens, R, P, iq.shape[1], invariant=inv)

@@ -97,6 +97,16 @@ def msa_select(p: Params, cfg: M3Config, h_TD: jax.Array, batch: Batch, rope: tu
     return index_k, blocks
 
 
+def projections_of_h(p: Params, selects: bool) -> list[tuple[jax.Array, str]]:
+    """The (weight, name) pairs a layer applies to its normed input h, as `attention` runs them in one
+    `ops.project_many`: q, k, v, then the index's q and k if the layer selects its own blocks."""
+    a = p["attn"]
+    weights = [(a["wq"], "attn.wq"), (a["wk"], "attn.wk"), (a["wv"], "attn.wv")]
+    if selects:
+        weights += [(p["index"]["wq"], "index.wq"), (p["index"]["wk"], "index.wk")]
+    return weights
+
+
 def attention(p: Params, cfg: M3Config, kind: str, h_TD: jax.Array, batch: Batch, rope: tuple[jax.Array, ...],
               pages: LayerPages, reuse_blocks: jax.Array | None, recompute: jax.Array | bool,
               kernels: KernelChoice, layer: jax.Array | int) -> tuple[jax.Array, LayerPages, jax.Array | None]:
@@ -104,13 +114,11 @@ def attention(p: Params, cfg: M3Config, kind: str, h_TD: jax.Array, batch: Batch
     projection weights (p["attn"]["w*"], p["index"]["w*"]) are the run's whole stacks, read at `layer`."""
     a = p["attn"]
     impl, topo, inv = kernels.attention, kernels.topology, kernels.batch_invariant
-    # Every projection of h, in one launch at decode sizes (ops.project_many): q, k, v, and the index branch's q
-    # and k when this layer selects its own blocks (a layer reusing another's selection never reads them).
+    # Every projection of h, in one launch at decode sizes: q, k, v, and the index branch's q and k when this
+    # layer selects its own blocks (a layer reusing another's selection never reads them).
     selects = kind != "dense" and (reuse_blocks is None or recompute is True)
-    weights = [(a["wq"], "attn.wq"), (a["wk"], "attn.wk"), (a["wv"], "attn.wv")]
-    if selects:
-        weights += [(p["index"]["wq"], "index.wq"), (p["index"]["wk"], "index.wk")]
-    q, k, v, *index_qk = ops.project_many(h_TD, weights, impl=impl, topology=topo, layer=layer, invariant=inv)
+    q, k, v, *index_qk = ops.project_many(h_TD, projections_of_h(p, selects), impl=impl, topology=topo, layer=layer,
+                                          invariant=inv)
     q = rms_norm(q, a["q_norm"], cfg.rms_norm_eps, kernels)
     k = rms_norm(k, a["k_norm"], cfg.rms_norm_eps, kernels)
     q, k = apply_rope(q, *rope), apply_rope(k, *rope)  # norm before RoPE; V gets neither

@@ -389,6 +389,15 @@ def projections_of_h(shard: Shard, shapes: dict, ms: list[int], impl: str, copie
                "floor_s": floor_s, "copies": copies, "tiles": dataclasses.asdict(many)}
         time_impls(rec, impls, args, samples)
         rec["speedup_vs_pallas"] = rec["pallas_s"] / rec["one_launch_s"]
+        # On the device, the one launch against XLA's GEMMs and bitwise against a launch per weight at its tiles.
+        x0, *w0 = args[0]
+        got = jax.jit(impls["one_launch"])(x0, *w0)
+        ref = [r.astype(jnp.float32) for r in jax.jit(impls["xla"])(x0, *w0)]
+        alone = [kernel.linear(x0, wi, tiles=many, interpret=interpret) for wi in w0]
+        errs = [float(jnp.max(jnp.abs(g.astype(jnp.float32) - r)) / jnp.max(jnp.abs(r)))
+                for g, r in zip(got, ref, strict=True)]
+        same = [bool(jnp.array_equal(g, a_)) for g, a_ in zip(got, alone, strict=True)]
+        rec["check"] = {"max_rel_err_vs_xla": max(errs), "equal_to_each_alone": all(same)}
         out.append(rec)
     return out
 

@@ -65,7 +65,6 @@ def project_many(x: jax.Array, weights: list[tuple[jax.Array, str]], *, impl: st
     k = ks[0]
     one_launch = (ks.count(k) == len(ks)
                   and len({PROJECTION_AXES[name][:n_in] for _, name in weights}) == 1  # one x shard for all
-                  and all(_linear.uses_kernel(m, k, n, impl, invariant) for n in ns)
                   and _linear.tiles_for_many(m, k, ns, impl, invariant) is not None)
     if not one_launch:
         if len(weights) > 1:

@@ -89,16 +89,16 @@ def linear_fp32(x_MK: jax.Array, w_KN: jax.Array, *, impl: str) -> jax.Array:
 
 def linear(x_MK: jax.Array, w_KN: jax.Array, *, impl: str, layer: jax.Array | int | None = None,
            invariant: bool = False) -> jax.Array:
-    tiles = tiles_for(x_MK.shape[0], *w_KN.shape[-2:], impl, invariant)
-    if tiles is None:
-        return reference.linear(x_MK, w_KN if layer is None else w_KN[layer])
-    return kernel.linear(x_MK, w_KN, tiles=tiles, interpret=impl == "interpret", layer=layer)
+    return linear_many(x_MK, [w_KN], impl=impl, layer=layer, invariant=invariant)[0]
 
 
 def linear_many(x_MK: jax.Array, ws_KN: list[jax.Array], *, impl: str, layer: jax.Array | int | None = None,
                 invariant: bool = False) -> list[jax.Array]:
-    """[x @ w for w in ws_KN]: one launch of the kernel where `tiles_for_many` gives tiles, else each as `linear`."""
+    """[x @ w for w in ws_KN]: one launch of the kernel where `tiles_for_many` gives tiles; else each weight on its
+    own (the kernel, or XLA's GEMM where no tiles fit it)."""
     tiles = tiles_for_many(x_MK.shape[0], x_MK.shape[1], [w.shape[-1] for w in ws_KN], impl, invariant)
-    if tiles is None:
+    if tiles is not None:
+        return kernel.linear_many(x_MK, ws_KN, tiles=tiles, interpret=impl == "interpret", layer=layer)
+    if len(ws_KN) > 1:
         return [linear(x_MK, w, impl=impl, layer=layer, invariant=invariant) for w in ws_KN]
-    return kernel.linear_many(x_MK, ws_KN, tiles=tiles, interpret=impl == "interpret", layer=layer)
+    return [reference.linear(x_MK, ws_KN[0] if layer is None else ws_KN[0][layer])]

@@ -482,9 +482,10 @@ def _variants(case: Case, s: Shapes, rec: Recorder, *, small: bool, interpret: b
             if want is not None:
                 guarded(check, "vs_table", lambda f=f, want=want, c=compare, a=sets[0]: c(f(*a), want))
             t, err = kernel_time(f, sets, small)
-            # Prefill variants run for milliseconds: their trace (kernel split) costs little.
-            prof = (device_timings(f, sets, small, floors[fi], in_graph=False)
-                    if case.kind == "prefill" and err is None else {})
+            # Prefill variants run for milliseconds: their trace (kernel split) costs little. The split variants
+            # are decode ops of tens of microseconds, judged in graph as the engine runs them.
+            prof = (device_timings(f, sets, small, floors[fi], in_graph=VARIANTS == "split")
+                    if (case.kind == "prefill" or VARIANTS == "split") and err is None else {})
             rec.add(op=op, case=case.name, variant=_fmt(v), shape=shape, time_s=t, floor_s=floors[fi],
                     ratio=_ratio(t, floors[fi]), reference_time_s=None, check=check, error=err, **prof)
     if case.kind == "decode" and VARIANTS == "tune" and time.perf_counter() < deadline:
@@ -518,7 +519,7 @@ def _fmt(t: IndexTiles | AttentionTiles) -> str:
 
 VARIANTS = "tune"  # "tune": the sets the table was chosen from (and the KV-layout experiment); "final": the fused
 #                    index top-k and page-stream variants at decode; "depth": pipeline depths; "prefill": the 8k
-#                    chunk's tiles; "none"
+#                    chunk's tiles; "split": decode page lists split over more programs; "none"
 
 
 def _index_variants(kind: str, context: int, base: IndexTiles, pages: int) -> list[IndexTiles]:
@@ -585,6 +586,11 @@ def _sparse_variants(kind: str, context: int, base: AttentionTiles) -> list[Atte
                 union]
     if VARIANTS == "final":
         return []
+    if VARIANTS == "split":
+        # At small batches a decode step's block-sparse attention is one program per (request, KV group): 4 of
+        # them at batch 1 on a 132-multiprocessor GPU. Its selected pages split over 2-8 programs each, the
+        # partials merged after.
+        return [r(base, pages_per_split=n) for n in (8, 4, 2) if kind == "decode" and n < base.pages_per_split]
     if VARIANTS == "depth":
         # More loads in flight per multiprocessor: narrower key steps with deeper pipelines, or 3 stages so that
         # two programs fit per multiprocessor (the 8k rows of the earlier sweep caught the GPU's clock ramp).
@@ -617,6 +623,8 @@ def _dense_variants(kind: str, context: int, base: AttentionTiles, P: int) -> li
         triton = AttentionTiles(bt=base.bt, pages_per_split=base.pages_per_split, num_warps=8, num_stages=3)
         out = [*mosaic, triton, r(triton, num_stages=2)]
         return [t for t in dict.fromkeys(out) if t != base]
+    if VARIANTS == "split":  # the dense decode's split below its 16-page minimum (see _sparse_variants)
+        return [r(base, pages_per_split=n) for n in (8, 4) if kind == "decode" and n < min(base.pages_per_split, P)]
     if VARIANTS != "tune":
         return []
     if kind == "decode":
@@ -749,10 +757,10 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=8192)
     ap.add_argument("--prefill-locality", type=float, nargs="+", default=[0.0],
                     help="prefill cases' index-query drift length in tokens (0: independent random queries)")
-    ap.add_argument("--variants", choices=("tune", "final", "depth", "prefill", "none"), default="tune",
+    ap.add_argument("--variants", choices=("tune", "final", "depth", "prefill", "split", "none"), default="tune",
                     help="tune: the tile sets the table was chosen from, and the KV-layout experiment; final: "
                          "the fused index top-k and page streams at decode; depth: pipeline-depth variants; "
-                         "prefill: the 8k chunk's tile variants")
+                         "prefill: the 8k chunk's tile variants; split: decode page lists over more programs")
     ap.add_argument("--budget-s", type=float, default=200.0, help="skip tile variants after this many seconds")
     ap.add_argument("--warm-up-s", type=float, default=5.0, help="seconds of matmuls before the first timing")
     ap.add_argument("--batch-invariant", action="store_true",

@@ -394,7 +394,7 @@ def bench_case(case: Case, s: Shapes, rec: Recorder, *, small: bool, interpret: 
         floor_s, floor_kind = _floor(case.context * s.K * s.D * 2 * itemsize, sp_flops)
     t, err = kernel_time(sp, sp_sets, small)
     t_ref = try_time(sp_ref, sp_sets[:2], small) if with_reference else None
-    stiles = tuning.sparse_tiles(T, R, s.topk, s.hg, invariant=INVARIANT,
+    stiles = tuning.sparse_tiles(T, R, s.topk, s.hg, groups=s.K, invariant=INVARIANT,
                                  mosaic=dispatch.mosaic_for("sparse", s.hg, s.D, s.ps, interpret=small))
     rec.add(op="msa_sparse_attention", case=case.name, variant=f"table {_fmt(stiles)}", shape=shape, time_s=t,
             floor_s=floor_s, floor_kind=floor_kind, bytes=sp_bytes, flops=sp_flops, ratio=_ratio(t, floor_s),
@@ -587,10 +587,10 @@ def _sparse_variants(kind: str, context: int, base: AttentionTiles) -> list[Atte
     if VARIANTS == "final":
         return []
     if VARIANTS == "split":
-        # At small batches a decode step's block-sparse attention is one program per (request, KV group): 4 of
-        # them at batch 1 on a 132-multiprocessor GPU. Its selected pages split over 2-8 programs each, the
-        # partials merged after.
-        return [r(base, pages_per_split=n) for n in (8, 4, 2) if kind == "decode" and n < base.pages_per_split]
+        # At small batches a decode step's block-sparse attention unsplit is one program per (request, KV group):
+        # 4 of them at batch 1 on a 132-multiprocessor GPU. M3's 16 selected pages unsplit (16) or split over
+        # 2-8 programs each, the partials merged after.
+        return [r(base, pages_per_split=n) for n in (16, 8, 4, 2) if kind == "decode" and n != base.pages_per_split]
     if VARIANTS == "depth":
         # More loads in flight per multiprocessor: narrower key steps with deeper pipelines, or 3 stages so that
         # two programs fit per multiprocessor (the 8k rows of the earlier sweep caught the GPU's clock ramp).
@@ -624,7 +624,8 @@ def _dense_variants(kind: str, context: int, base: AttentionTiles, P: int) -> li
         out = [*mosaic, triton, r(triton, num_stages=2)]
         return [t for t in dict.fromkeys(out) if t != base]
     if VARIANTS == "split":  # the dense decode's split below its 16-page minimum (see _sparse_variants)
-        return [r(base, pages_per_split=n) for n in (8, 4) if kind == "decode" and n < min(base.pages_per_split, P)]
+        return [r(base, pages_per_split=n) for n in (16, 8, 4) if kind == "decode" and n != base.pages_per_split
+                and n < P]
     if VARIANTS != "tune":
         return []
     if kind == "decode":

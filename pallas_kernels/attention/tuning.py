@@ -26,6 +26,8 @@ KV_WRITE_PALLAS_MIN_ROWS = 1024
 # benchmarks/results/engine-prefill-h100-1moe-214053d/). Its steps hold over 512 tokens and at most 128 decode
 # rows, so they are mostly prefill whatever the mix.
 DECODE_ROWS_PER_REQUEST = 4
+# The fewest selected pages a decode program of the block-sparse attention reads when the grid is split.
+MIN_SPARSE_PAGES_PER_SPLIT = 2
 NUM_SMS = 132  # H200
 # Decode index: page tables up to this wide (8k tokens) take the top-k inside the scoring kernel (index_tiles).
 FUSED_TOPK_MAX_PAGES = 64
@@ -134,21 +136,28 @@ def index_tiles(num_tokens: int, num_rows: int, pages_per_row: int, index_heads:
     return IndexTiles(bt=max(min_bt, pow2_at_least(max(1, 64 // index_heads))), bp=32, mask_every_page=invariant)
 
 
-def sparse_tiles(num_tokens: int, num_rows: int, topk: int, heads_per_group: int, *,
+def sparse_tiles(num_tokens: int, num_rows: int, topk: int, heads_per_group: int, *, groups: int = 1,
                  invariant: bool = False, union: bool = False, mosaic: bool = False) -> AttentionTiles:
-    """`mosaic`: the Mosaic GPU union kernel takes these shapes on this device (dispatch decides)."""
+    """`groups`: KV groups on this device (the grid's second axis). `mosaic`: the Mosaic GPU union kernel takes
+    these shapes on this device (dispatch decides)."""
     rows = _rows_per_request(num_tokens, num_rows)
     if rows <= DECODE_ROWS_PER_REQUEST or invariant:
         # Batch-invariant: this per-token kernel for prefill tokens too. Each token reads its own selected pages
         # in its own order, as at decode; the prefill kernels below visit a query block's union of pages, or
         # merge per-block partials, in an order that depends on the other tokens of the chunk.
-        # One token per program reading its own topk pages (no union list to build); not split: the merge of
-        # split partials cost more than the parallelism gained (32k, batch 64: 94 us unsplit, 102-160 us split).
+        # One token per program reading its own topk pages (no union list to build). Split only where the
+        # grid would leave most multiprocessors idle (batch 1: one program per KV group): at batch 64 the merge
+        # of split partials cost more than the parallelism gained (32k: 94 us unsplit, 102-160 us split).
+        # Never in batch-invariant mode, whose split must not change with the batch.
+        per_split = topk
+        if not invariant:
+            want_splits = max(1, NUM_SMS // max(1, num_tokens * groups))
+            per_split = max(MIN_SPARSE_PAGES_PER_SPLIT, pow2_at_least(-(-topk // want_splits)))
         # Half-page key steps (whole pages with 3 stages: 1.99 / 1.51 / 1.87x the floor at 8k / 32k / 128k).
         # 3 stages, not 4: 70 KB of shared memory instead of 102 KB, so three programs share a multiprocessor
         # instead of two (same run: 78.9 / 78.6 / 84.6 us against 86.7 / 87.0 / 83.1 us with 4 stages,
         # benchmarks/results/attention-h200-depth.json).
-        return AttentionTiles(bt=1, pages_per_split=topk, num_stages=3, key_tile=64)
+        return AttentionTiles(bt=1, pages_per_split=min(per_split, topk), num_stages=3, key_tile=64)
     # Prefill: KV-block-major (msa/block_major.py): each selected (token, block) pair computed once, a page read
     # once for up to 16 tiles of 4 tokens that chose it. 8k chunk, random selections, same run, kernel-busy:
     # 2,760 us against 3,548 us for query blocks of 4 tokens over their union of pages (8 / 4 / 1 tiles per

@@ -146,7 +146,8 @@ def sparse_tiles(num_tokens: int, num_rows: int, topk: int, heads_per_group: int
         # in its own order, as at decode; the prefill kernels below visit a query block's union of pages, or
         # merge per-block partials, in an order that depends on the other tokens of the chunk.
         # One token per program reading its own topk pages (no union list to build). Split only where the
-        # grid would leave most multiprocessors idle (batch 1: one program per KV group): at batch 64 the merge
+        # grid would leave most multiprocessors idle (batch 1: one program per KV group; H100, 16 pages: 33 us
+        # unsplit, 9 us at 2 pages a split, attention-split-b1-h100-1moe-295fec8.json): at batch 64 the merge
         # of split partials cost more than the parallelism gained (32k: 94 us unsplit, 102-160 us split).
         # Never in batch-invariant mode, whose split must not change with the batch.
         per_split = topk

@@ -394,7 +394,7 @@ def bench_case(case: Case, s: Shapes, rec: Recorder, *, small: bool, interpret: 
         floor_s, floor_kind = _floor(case.context * s.K * s.D * 2 * itemsize, sp_flops)
     t, err = kernel_time(sp, sp_sets, small)
     t_ref = try_time(sp_ref, sp_sets[:2], small) if with_reference else None
-    stiles = tuning.sparse_tiles(T, R, s.topk, s.hg, groups=s.K, invariant=INVARIANT,
+    stiles = tuning.sparse_tiles(T, R, s.topk, s.hg, num_kv_heads=s.K, invariant=INVARIANT,
                                  mosaic=dispatch.mosaic_for("sparse", s.hg, s.D, s.ps, interpret=small))
     rec.add(op="msa_sparse_attention", case=case.name, variant=f"table {_fmt(stiles)}", shape=shape, time_s=t,
             floor_s=floor_s, floor_kind=floor_kind, bytes=sp_bytes, flops=sp_flops, ratio=_ratio(t, floor_s),

@@ -131,12 +131,13 @@ def test_index_tiles_fuse_the_topk_only_for_short_decode_contexts():
 
 def test_sparse_decode_splits_its_pages_only_where_the_grid_leaves_the_gpu_idle():
     # M3: 16 selected pages, 4 KV groups. Batch 1: 4 programs unsplit, so 8 splits of 2 pages.
-    assert tuning.sparse_tiles(1, 1, 16, 16, groups=4) == AttentionTiles(bt=1, pages_per_split=2, num_stages=3,
-                                                                          key_tile=64)
-    assert tuning.sparse_tiles(8, 8, 16, 16, groups=4).pages_per_split == 4
-    assert tuning.sparse_tiles(64, 64, 16, 16, groups=4).pages_per_split == 16  # measured unsplit at batch 64
+    assert tuning.sparse_tiles(1, 1, 16, 16, num_kv_heads=4) == AttentionTiles(bt=1, pages_per_split=2,
+                                                                                num_stages=3, key_tile=64)
+    assert tuning.sparse_tiles(8, 8, 16, 16, num_kv_heads=4).pages_per_split == 4
+    assert tuning.sparse_tiles(64, 64, 16, 16, num_kv_heads=4).pages_per_split == 16  # measured unsplit at batch 64
     # Batch-invariant mode: one split whatever the batch.
-    assert {tuning.sparse_tiles(t, t, 16, 16, groups=4, invariant=True).pages_per_split for t in (1, 8, 64)} == {16}
+    invariant = {tuning.sparse_tiles(t, t, 16, 16, num_kv_heads=4, invariant=True).pages_per_split for t in (1, 8, 64)}
+    assert invariant == {16}
 
 
 def _selection(rng: np.random.Generator) -> jax.Array:

@@ -111,7 +111,7 @@ def paged_block_sparse_attention(q_THD: jax.Array, k_pages: jax.Array, v_pages: 
     R, _ = page_table_RN.shape
     use, interpret = _kernel_mode(impl, ps, D, H // K)  # any top-k: the kernels pad it to a power of two
     mosaic = mosaic_for("sparse", H // K, D, ps, interpret=interpret)
-    tiles = tuning.sparse_tiles(T, R, blocks_TGN.shape[-1], H // K, groups=K, invariant=invariant, union=union,
+    tiles = tuning.sparse_tiles(T, R, blocks_TGN.shape[-1], H // K, num_kv_heads=K, invariant=invariant, union=union,
                                 mosaic=mosaic)
     if not use:
         return _msa_ref.paged_block_sparse_attention(q_THD, k_pages, v_pages, page_table_RN, token_row_T, pos_T,

@@ -136,10 +136,10 @@ def index_tiles(num_tokens: int, num_rows: int, pages_per_row: int, index_heads:
     return IndexTiles(bt=max(min_bt, pow2_at_least(max(1, 64 // index_heads))), bp=32, mask_every_page=invariant)
 
 
-def sparse_tiles(num_tokens: int, num_rows: int, topk: int, heads_per_group: int, *, groups: int = 1,
+def sparse_tiles(num_tokens: int, num_rows: int, topk: int, heads_per_group: int, *, num_kv_heads: int = 1,
                  invariant: bool = False, union: bool = False, mosaic: bool = False) -> AttentionTiles:
-    """`groups`: KV groups on this device (the grid's second axis). `mosaic`: the Mosaic GPU union kernel takes
-    these shapes on this device (dispatch decides)."""
+    """`num_kv_heads`: KV groups on this device (the grid's second axis). `mosaic`: the Mosaic GPU union kernel
+    takes these shapes on this device (dispatch decides)."""
     rows = _rows_per_request(num_tokens, num_rows)
     if rows <= DECODE_ROWS_PER_REQUEST or invariant:
         # Batch-invariant: this per-token kernel for prefill tokens too. Each token reads its own selected pages
@@ -152,7 +152,7 @@ def sparse_tiles(num_tokens: int, num_rows: int, topk: int, heads_per_group: int
         # Never in batch-invariant mode, whose split must not change with the batch.
         per_split = topk
         if not invariant:
-            want_splits = max(1, NUM_SMS // max(1, num_tokens * groups))
+            want_splits = max(1, NUM_SMS // max(1, num_tokens * num_kv_heads))
             per_split = max(MIN_SPARSE_PAGES_PER_SPLIT, pow2_at_least(-(-topk // want_splits)))
         # Half-page key steps (whole pages with 3 stages: 1.99 / 1.51 / 1.87x the floor at 8k / 32k / 128k).
         # 3 stages, not 4: 70 KB of shared memory instead of 102 KB, so three programs share a multiprocessor

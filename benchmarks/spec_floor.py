@@ -38,15 +38,16 @@ from benchmarks.timing import git_rev
 from checkpoints.eagle import inferact_draft_config
 from m3jax.config import M3Config, preset
 from m3jax.eagle import draft_param_specs
-from m3jax.params import ParamSpec, is_spec, layer_specs
+from m3jax.params import is_spec, layer_specs
 
 HBM_BYTES_PER_S = 4.8e12  # H200 datasheet; the ratios do not depend on it
 ROUTED = ("w_gate", "w_up", "w_down")
 
 
-def _bytes(tree: Any, bytes_per_elt: float = 2.0) -> float:
-    specs = [s for s in jax.tree.leaves(tree, is_leaf=is_spec) if isinstance(s, ParamSpec)]
-    return sum(math.prod(s.shape) * (4 if s.dtype_class == "fp32" else bytes_per_elt) for s in specs)
+def _bytes(tree: Any) -> float:
+    """The bytes of declared weights in bf16 (fp32 where declared so: the router)."""
+    return sum(math.prod(s.shape) * (4 if s.dtype_class == "fp32" else 2)
+               for s in jax.tree.leaves(tree, is_leaf=is_spec))
 
 
 def expert_bytes(cfg: M3Config, fmt: str) -> float:
